@@ -1,0 +1,46 @@
+"""The engine interface the pool layer drives.
+
+An engine moves whole block payloads between contiguous byte views of the KV pool and open
+file descriptors, many at once, and computes payload checksums where the bytes live (CPU for a
+host pool, GPU for a device pool).  Calls block the calling transfer thread, never the executor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TransferItem:
+    """One payload transfer: ``view`` (uint8, contiguous) <-> ``fd`` at ``offset``."""
+
+    fd: int
+    offset: int
+    view: torch.Tensor
+
+
+class IoEngine(ABC):
+    #: short engine name ("posix", "kvikio")
+    name: str = "?"
+
+    @abstractmethod
+    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
+        """Write every item; the result holds the error of each item, or None."""
+
+    @abstractmethod
+    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
+        """Read every item fully; a short file is an error of that item."""
+
+    @abstractmethod
+    def checksums(self, views: list[torch.Tensor]) -> list[int]:
+        """Payload checksums (checksum.py's definition) of the given views."""
+
+    @abstractmethod
+    def data_path(self) -> str:
+        """Which path moves the bytes: posix, kvikio-posix, cufile-compat or gds, with the reason."""
+
+    def close(self) -> None:
+        """Release threads and handles; outstanding calls must have returned."""

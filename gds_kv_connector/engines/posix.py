@@ -1,0 +1,60 @@
+"""POSIX engine: pread/pwrite on a thread pool into a host-memory KV pool.
+
+This is the engine of every CPU test and of host-memory pools; it moves bytes with plain
+system calls through :class:`~gds_kv_connector.fileops.FileOps` (so faults can be injected),
+with the GIL released inside each call so ``io_threads`` transfers proceed in parallel.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..checksum import checksum_bytes
+from ..fileops import FileOps, read_exact, write_all
+from .base import IoEngine, TransferItem
+
+
+class PosixEngine(IoEngine):
+    name = "posix"
+
+    def __init__(self, io_threads: int = 16, ops: FileOps | None = None) -> None:
+        self.ops = ops or FileOps()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix")
+
+    def _run(self, fn, items: list[TransferItem]) -> list[BaseException | None]:
+        if len(items) == 1:
+            return [_capture(fn, items[0])]
+        return list(self._pool.map(lambda it: _capture(fn, it), items))
+
+    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
+        return self._run(lambda it: write_all(self.ops, it.fd, _host_bytes(it.view), it.offset), items)
+
+    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
+        return self._run(lambda it: read_exact(self.ops, it.fd, _host_bytes(it.view), it.offset), items)
+
+    def checksums(self, views: list[torch.Tensor]) -> list[int]:
+        if len(views) <= 1:
+            return [checksum_bytes(_host_bytes(v)) for v in views]
+        return list(self._pool.map(lambda v: checksum_bytes(_host_bytes(v)), views))
+
+    def data_path(self) -> str:
+        return "posix (host-memory pool, pread/pwrite)"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _host_bytes(view: torch.Tensor):
+    if view.device.type != "cpu":
+        raise ValueError("the POSIX engine moves host-memory blocks only; use the kvikio engine for CUDA")
+    return view.numpy()
+
+
+def _capture(fn, item) -> BaseException | None:
+    try:
+        fn(item)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
+        return exc

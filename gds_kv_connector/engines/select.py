@@ -1,0 +1,25 @@
+"""Choose the engine from where the KV pool lives, or as forced by TLLM_GDS_KV_ENGINE."""
+
+from __future__ import annotations
+
+import torch
+
+from ..fileops import FileOps
+from .base import IoEngine
+
+
+def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps | None = None) -> IoEngine:
+    """``kind`` is auto, posix or kvikio; auto picks kvikio for a CUDA pool and posix otherwise."""
+    if kind == "auto":
+        kind = "kvikio" if device.type == "cuda" else "posix"
+    if kind == "posix":
+        if device.type != "cpu":
+            raise ValueError(f"TLLM_GDS_KV_ENGINE=posix needs a host-memory KV pool, but it is on {device}")
+        from .posix import PosixEngine
+        return PosixEngine(io_threads=io_threads, ops=ops)
+    if kind == "kvikio":
+        if device.type != "cuda":
+            raise ValueError(f"TLLM_GDS_KV_ENGINE=kvikio needs a CUDA KV pool, but it is on {device}")
+        from .kvikio_engine import KvikioEngine
+        return KvikioEngine(io_threads=io_threads, device=device)
+    raise ValueError(f"unknown engine {kind!r}")

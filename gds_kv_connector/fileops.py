@@ -1,0 +1,68 @@
+"""The system calls the pool and the POSIX engine make, behind one object.
+
+Everything that touches pool files goes through a :class:`FileOps`, so the fault-injection suite
+can substitute stalls, EIO, ENOSPC and short transfers without patching ``os``.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class FileOps:
+    """Thin pass-through to ``os``; subclass to inject faults."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pwrite(self, fd: int, data, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def preadv(self, fd: int, buf, offset: int) -> int:
+        return os.preadv(fd, [buf], offset)
+
+    def pread(self, fd: int, n: int, offset: int) -> bytes:
+        return os.pread(fd, n, offset)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def stat(self, path: str) -> os.stat_result:
+        return os.stat(path, follow_symlinks=False)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst, follow_symlinks=False)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+
+def write_all(ops: FileOps, fd: int, data, offset: int) -> None:
+    """pwrite until every byte is written; a zero-byte write is an error, never a spin."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        n = ops.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(5, f"pwrite wrote {n} bytes at offset {offset + done}")
+        done += n
+
+
+def read_exact(ops: FileOps, fd: int, buf, offset: int) -> None:
+    """preadv until the buffer is full; end of file first is a truncated file."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = ops.preadv(fd, view[done:], offset + done)
+        if n <= 0:
+            raise EOFError(f"file ended after {offset + done} bytes, {len(view) - done} short")
+        done += n

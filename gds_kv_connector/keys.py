@@ -1,0 +1,101 @@
+"""Content keys: a SHA-256 chain over the complete token prefix of every full block.
+
+Two blocks share a key only if everything that decides their bytes is equal: the pool
+fingerprint (model, KV dtype and geometry, format version, TP degree), the request's
+``cache_salt``, and every token from position 0 to the end of the block.  Chaining makes key
+``i`` cover the whole prefix at the cost of hashing one block of tokens.  The ADP rank never
+enters a key: owners of one model share blocks.  The TP shard is not in the key either; it
+selects the shard's directory (see :func:`shard_fingerprint`), so one key travels in the
+metadata for every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .pool_format import FORMAT_VERSION
+
+KEY_BYTES = 32
+_DOMAIN_FP = b"gds-kv-connector/fingerprint/v1\0"
+_DOMAIN_SEED = b"gds-kv-connector/chain-seed/v1\0"
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What makes two pools' block bytes interchangeable."""
+
+    model_id: str
+    kv_dtype: str
+    num_layers: int
+    kv_factor: int
+    block_bytes: int
+    tokens_per_block: int
+    tp_size: int = 1
+
+    def describe(self) -> str:
+        return (f"model={self.model_id} dtype={self.kv_dtype} layers={self.num_layers} kv={self.kv_factor} "
+                f"block_bytes={self.block_bytes} tokens_per_block={self.tokens_per_block} tp={self.tp_size} "
+                f"format=v{FORMAT_VERSION}")
+
+
+def base_fingerprint(geom: PoolGeometry) -> bytes:
+    """Fingerprint of the unsharded identity; seeds every key chain."""
+    text = geom.describe().encode()
+    return hashlib.sha256(_DOMAIN_FP + struct.pack("<I", len(text)) + text).digest()
+
+
+def shard_fingerprint(geom: PoolGeometry, tp_rank: int) -> bytes:
+    """Fingerprint written in headers and naming the directory of one TP shard's files.
+
+    With ``tp_size == 1`` (including every attention-DP owner, which holds unsharded KV) it is
+    the base fingerprint, so all owners of a model read and write the same files.
+    """
+    base = base_fingerprint(geom)
+    if geom.tp_size == 1:
+        return base
+    if not 0 <= tp_rank < geom.tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside tp_size {geom.tp_size}")
+    return hashlib.sha256(_DOMAIN_FP + base + struct.pack("<I", tp_rank)).digest()
+
+
+def chain_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
+    """Seed of one request's chain; ``None`` and ``""`` are distinct salts from any other."""
+    salt = b"\xff" if cache_salt is None else b"\x01" + cache_salt.encode()
+    return hashlib.sha256(_DOMAIN_SEED + fingerprint + struct.pack("<I", len(salt)) + salt).digest()
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64, the byte form hashed into keys."""
+    return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def extend_chain(prev: bytes, token_bytes: bytes, tokens_per_block: int, first_block: int,
+                 num_blocks: int) -> list[bytes]:
+    """Keys of blocks ``first_block .. first_block+num_blocks-1``.
+
+    ``prev`` is the key of block ``first_block-1`` (or the chain seed when ``first_block`` is 0),
+    and ``token_bytes`` holds at least the tokens of those blocks as :func:`tokens_to_bytes`.
+    """
+    width = tokens_per_block * 8
+    keys = []
+    sha = hashlib.sha256
+    for b in range(first_block, first_block + num_blocks):
+        chunk = token_bytes[b * width:(b + 1) * width]
+        if len(chunk) != width:
+            raise ValueError(f"block {b} is not full: {len(chunk) // 8} of {tokens_per_block} tokens")
+        prev = sha(prev + chunk).digest()
+        keys.append(prev)
+    return keys
+
+
+def block_keys(fingerprint: bytes, cache_salt: str | None, tokens: Sequence[int],
+               tokens_per_block: int) -> list[bytes]:
+    """Keys of every full block of ``tokens``."""
+    n = len(tokens) // tokens_per_block
+    return extend_chain(chain_seed(fingerprint, cache_salt), tokens_to_bytes(tokens[:n * tokens_per_block]),
+                        tokens_per_block, 0, n)

@@ -1,0 +1,32 @@
+"""What the connector reads from TensorRT-LLM's ``llm_args``, in one place, with safe defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    tokens_per_block: int
+    tp_size: int
+    attention_dp: bool
+    model_id: str
+
+    @property
+    def sharded_attention(self) -> bool:
+        """Each rank holds a head shard only under plain TP; ADP owners hold whole KV."""
+        return self.tp_size > 1 and not self.attention_dp
+
+
+def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
+    kv_cfg = getattr(llm_args, "kv_cache_config", None)
+    tpb = getattr(kv_cfg, "tokens_per_block", None) or getattr(llm_args, "tokens_per_block", None) or 32
+    tp = getattr(llm_args, "tensor_parallel_size", None)
+    if tp is None:
+        tp = getattr(getattr(llm_args, "parallel_config", None), "tp_size", 1)
+    adp = bool(getattr(llm_args, "enable_attention_dp", False))
+    model = model_id_override or str(getattr(llm_args, "model", "") or "unknown-model")
+    if int(tpb) <= 0:
+        raise ValueError(f"tokens_per_block must be positive, got {tpb}")
+    return EngineConfig(int(tpb), int(tp or 1), adp, model)

@@ -1,0 +1,46 @@
+"""The in-process link between a scheduler and the worker of the same owner.
+
+The scheduler is built from ``llm_args`` alone, but keys depend on the KV pool the worker
+registers (dtype, layers, block bytes), and saves of a request that finishes in an idle
+iteration must reach the worker without waiting for a metadata round.  Under attention DP and
+on TP rank 0 both live in one process; they find each other here by their shared ``llm_args``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .keys import PoolGeometry
+from .metadata import SaveOp
+
+
+@dataclass
+class PeerInfo:
+    geometry: PoolGeometry
+    fingerprints: tuple[bytes, ...]  # one per TP shard (one entry when attention is not sharded)
+    block_bytes: int
+    deliver_saves: Callable[[list[SaveOp]], None]
+    stats: Any
+
+
+_lock = threading.Lock()
+_peers: dict[int, PeerInfo] = {}
+
+
+def register(llm_args: Any, info: PeerInfo) -> None:
+    with _lock:
+        _peers[id(llm_args)] = info
+
+
+def unregister(llm_args: Any) -> None:
+    with _lock:
+        _peers.pop(id(llm_args), None)
+
+
+def lookup(llm_args: Any) -> PeerInfo | None:
+    with _lock:
+        if id(llm_args) in _peers:
+            return _peers[id(llm_args)]
+        return next(iter(_peers.values())) if len(_peers) == 1 else None

@@ -1,0 +1,34 @@
+"""What the scheduler tells the workers each iteration.
+
+Under TP this object is pickled and broadcast every iteration, so it holds only plain tuples:
+block ids and 32-byte keys, never tensors or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    request_id: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class SaveOp:
+    request_id: int
+    keys: tuple[bytes, ...]
+    parents: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class GdsKvMetadata:
+    loads: list[LoadOp] = field(default_factory=list)
+    saves: list[SaveOp] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)

@@ -1,0 +1,326 @@
+"""The shared pool directory: where a key's file lives, atomic publication, pins, quarantine.
+
+Layout (docs/format.md): ``<root>/gdskv-v1/<fingerprint hex[:16]>/<key hex[:2]>/<key hex>.blk``.
+A block is written to a temporary file in its final directory and published with ``link(2)``,
+which fails if the name exists: a reader never sees a partial file and the first writer of a
+key wins.  A load holds an open descriptor from promise to completion (a *pin*), so a file
+evicted or replaced meanwhile still reads as the bytes that were promised.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+
+from .fileops import FileOps, write_all
+from .pool_format import HEADER_SIZE, BlockHeader, FormatError, file_size_for, parse_header
+
+log = logging.getLogger(__name__)
+
+LAYOUT_DIR = "gdskv-v1"
+QUARANTINE_DIR = "quarantine"
+OWNERS_DIR = "owners"
+TMP_PREFIX = ".tmp-"
+BLOCK_SUFFIX = ".blk"
+STALE_FOREIGN_TMP_S = 3600.0
+_HOST = socket.gethostname().replace("-", "_")[:40] or "host"
+
+
+@dataclass
+class Pin:
+    """An open read-only descriptor on a published block."""
+
+    key: bytes
+    path: str
+    fd: int
+    ino: int
+
+
+class PoolError(RuntimeError):
+    """The pool root cannot be used as configured."""
+
+
+class BlockPool:
+    """One fingerprint's view of one or more pool roots."""
+
+    def __init__(self, roots: tuple[str, ...], fingerprint: bytes, payload_len: int, tokens_per_block: int, *,
+                 share_group: bool = False, fsync: bool = False, index_ttl_s: float = 5.0,
+                 geometry_note: str = "", ops: FileOps | None = None) -> None:
+        if not roots:
+            raise PoolError("no pool root configured")
+        self.fingerprint = fingerprint
+        self.payload_len = payload_len
+        self.file_size = file_size_for(payload_len)
+        self.tokens_per_block = tokens_per_block
+        self.fsync = fsync
+        self.index_ttl_s = index_ttl_s
+        self.ops = ops or FileOps()
+        self.file_mode = 0o640 if share_group else 0o600
+        self.dir_mode = 0o2770 if share_group else 0o700
+        self.roots = tuple(os.path.abspath(r) for r in roots)
+        self.fp_dirs = tuple(os.path.join(r, LAYOUT_DIR, fingerprint.hex()[:16]) for r in self.roots)
+        self._index: dict[bytes, float] = {}
+        self._made_dirs: set[str] = set()
+        self._lock = threading.Lock()
+        for root, fp_dir in zip(self.roots, self.fp_dirs):
+            self._check_root(root)
+            self._makedirs(fp_dir)
+            self._makedirs(os.path.join(root, LAYOUT_DIR, QUARANTINE_DIR))
+            self._makedirs(os.path.join(root, LAYOUT_DIR, OWNERS_DIR))
+            self._write_geometry(fp_dir, geometry_note)
+
+    # -- naming -----------------------------------------------------------------------------------
+    def root_of(self, key: bytes) -> int:
+        return key[0] % len(self.roots)
+
+    def dir_for(self, key: bytes) -> str:
+        return os.path.join(self.fp_dirs[self.root_of(key)], key.hex()[:2])
+
+    def path_for(self, key: bytes) -> str:
+        return os.path.join(self.dir_for(key), key.hex() + BLOCK_SUFFIX)
+
+    # -- lookup -----------------------------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        """True if a published file of the right size exists (trusted for index_ttl_s)."""
+        now = time.monotonic()
+        expires = self._index.get(key)
+        if expires is not None and expires > now:
+            return True
+        try:
+            st = self.ops.stat(self.path_for(key))
+        except OSError:
+            self._index.pop(key, None)
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_size:
+            self._index.pop(key, None)
+            return False
+        self._index[key] = now + self.index_ttl_s
+        return True
+
+    def count_present(self, keys: list[bytes], start: int = 0) -> int:
+        """How many consecutive keys from ``start`` are in the pool."""
+        n = 0
+        for key in keys[start:]:
+            if not self.contains(key):
+                break
+            n += 1
+        return n
+
+    def forget(self, key: bytes) -> None:
+        self._index.pop(key, None)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def pin(self, key: bytes) -> Pin:
+        """Open the block for reading; raises FileNotFoundError or FormatError."""
+        path = self.path_for(key)
+        fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = self.ops.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError("not a regular file")
+            if st.st_size != self.file_size:
+                raise FormatError(f"file is {st.st_size} bytes, expected {self.file_size}")
+        except BaseException:
+            self.ops.close(fd)
+            raise
+        return Pin(key, path, fd, st.st_ino)
+
+    def read_header(self, pin: Pin) -> BlockHeader:
+        raw = self.ops.pread(pin.fd, HEADER_SIZE, 0)
+        return parse_header(raw, fingerprint=self.fingerprint, key=pin.key, payload_len=self.payload_len)
+
+    def unpin(self, pin: Pin) -> None:
+        if pin.fd >= 0:
+            try:
+                self.ops.close(pin.fd)
+            finally:
+                pin.fd = -1
+
+    def quarantine(self, key: bytes, reason: str, ino: int | None = None) -> str | None:
+        """Move a bad file out of the lookup path so no owner matches it again.
+
+        ``ino`` guards against moving a good file that replaced the bad one meanwhile.
+        Returns the quarantine path, or None if the file was already gone or replaced.
+        """
+        self.forget(key)
+        path = self.path_for(key)
+        try:
+            st = self.ops.stat(path)
+        except FileNotFoundError:
+            return None
+        if ino is not None and st.st_ino != ino:
+            return None
+        tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
+        dest = os.path.join(self.roots[self.root_of(key)], LAYOUT_DIR, QUARANTINE_DIR,
+                            f"{key.hex()}.{time.time_ns()}.{tag}")
+        try:
+            self.ops.rename(path, dest)
+        except FileNotFoundError:
+            return None
+        log.warning("quarantined block %s (%s) -> %s", key.hex(), reason, dest)
+        return dest
+
+    # -- writing ----------------------------------------------------------------------------------
+    def create_tmp(self, key: bytes, header: BlockHeader) -> tuple[int, str]:
+        """Create the temporary file of a block and write its header; payload follows at HEADER_SIZE."""
+        d = self.dir_for(key)
+        self._makedirs(d)
+        tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                           self.file_mode)
+        try:
+            write_all(self.ops, fd, header.pack(), 0)
+        except BaseException:
+            self.discard_tmp(fd, tmp)
+            raise
+        return fd, tmp
+
+    def publish(self, fd: int, tmp: str, key: bytes) -> bool:
+        """Make the temporary file visible under its key; False if another writer won."""
+        try:
+            if self.fsync:
+                self.ops.fsync(fd)
+            self.ops.close(fd)
+            fd = -1
+            final = self.path_for(key)
+            try:
+                self.ops.link(tmp, final)
+                won = True
+            except FileExistsError:
+                won = False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                won = self._publish_by_rename(tmp, final)
+                tmp = ""
+            if won:
+                self._index[key] = time.monotonic() + self.index_ttl_s
+            return won
+        finally:
+            self.discard_tmp(fd, tmp)
+
+    def _publish_by_rename(self, tmp: str, final: str) -> bool:
+        """For filesystems without hard links: rename, which replaces an equal-keyed block."""
+        try:
+            self.ops.stat(final)
+            self.ops.unlink(tmp)
+            return False
+        except FileNotFoundError:
+            self.ops.rename(tmp, final)
+            return True
+
+    def discard_tmp(self, fd: int, tmp: str) -> None:
+        if fd >= 0:
+            try:
+                self.ops.close(fd)
+            except OSError:
+                pass
+        if tmp:
+            try:
+                self.ops.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove temporary file %s: %s", tmp, exc)
+
+    # -- maintenance ------------------------------------------------------------------------------
+    def cleanup_stale_tmp(self) -> int:
+        """Remove temporary files of dead local processes, and foreign ones older than an hour."""
+        removed = 0
+        now = time.time()
+        for fp_dir in self.fp_dirs:
+            for sub in _listdir(fp_dir):
+                d = os.path.join(fp_dir, sub)
+                for name in _listdir(d):
+                    if not name.startswith(TMP_PREFIX):
+                        continue
+                    if _tmp_is_stale(name, os.path.join(d, name), now):
+                        try:
+                            os.unlink(os.path.join(d, name))
+                            removed += 1
+                        except FileNotFoundError:
+                            pass
+        if removed:
+            log.info("removed %d stale temporary file(s) left by dead writers", removed)
+        return removed
+
+    # -- internals --------------------------------------------------------------------------------
+    def _check_root(self, root: str) -> None:
+        if not os.path.isdir(root):
+            try:
+                os.makedirs(root, mode=self.dir_mode, exist_ok=True)
+            except OSError as exc:
+                raise PoolError(f"pool root {root} does not exist and cannot be created: {exc.strerror}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PoolError(f"pool root {root} is not writable by this process")
+
+    def _makedirs(self, d: str) -> None:
+        if d in self._made_dirs:
+            return
+        try:
+            os.mkdir(d, self.dir_mode)
+            os.chmod(d, self.dir_mode)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            return self._makedirs(d)
+        if not os.path.isdir(d) or os.path.islink(d):
+            raise PoolError(f"{d} exists and is not a directory")
+        with self._lock:
+            self._made_dirs.add(d)
+
+    def _write_geometry(self, fp_dir: str, note: str) -> None:
+        path = os.path.join(fp_dir, "fingerprint.json")
+        if os.path.exists(path) or not note:
+            return
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+        with open(tmp, "w") as fh:
+            json.dump({"fingerprint": self.fingerprint.hex(), "geometry": note,
+                       "payload_len": self.payload_len, "tokens_per_block": self.tokens_per_block}, fh)
+        os.chmod(tmp, self.file_mode)
+        os.replace(tmp, path)
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _tmp_is_stale(name: str, path: str, now: float) -> bool:
+    parts = name[len(TMP_PREFIX):].split("-")
+    if len(parts) != 4:
+        return _older_than(path, now, STALE_FOREIGN_TMP_S)
+    _key, host, pid, _rand = parts
+    if host == _HOST and pid.isdigit():
+        return not _pid_alive(int(pid))
+    return _older_than(path, now, STALE_FOREIGN_TMP_S)
+
+
+def _older_than(path: str, now: float, age: float) -> bool:
+    try:
+        return now - os.stat(path, follow_symlinks=False).st_mtime > age
+    except FileNotFoundError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

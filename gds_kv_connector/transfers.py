@@ -1,0 +1,261 @@
+"""Worker-side transfer bookkeeping: batches run on transfer threads and are polled, never awaited.
+
+The executor calls ``start_load_kv`` and ``wait_for_save`` only in iterations that run a
+forward, so every accepted batch must finish on its own threads; ``get_finished`` (called
+every iteration) only looks at futures with ``done()``.  A batch first waits for the CUDA
+event that orders it after the forward stream, then moves bytes through the pool layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_blocks
+from .engines.base import IoEngine
+from .kv_layout import KvPool
+from .metadata import LoadOp, SaveOp
+from .nvtx_ranges import nvtx_range
+from .pool import BlockPool
+from .settings import Settings
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    rid: int
+    kind: str  # "load" or "save"
+    future: Future
+    accepted: float
+    nbytes: int
+    first_key: bytes
+
+
+class ConnectorFailure(RuntimeError):
+    """A promised transfer cannot complete; TensorRT-LLM treats this as fatal."""
+
+
+class TransferManager:
+    def __init__(self, pool: BlockPool, engine: IoEngine, kv: KvPool, settings: Settings, stats: Stats) -> None:
+        self.pool, self.engine, self.kv, self.settings, self.stats = pool, engine, kv, settings, stats
+        self._exec = ThreadPoolExecutor(max_workers=settings.transfer_threads, thread_name_prefix="gdskv-xfer")
+        self._jobs: dict[int, list[_Job]] = {}
+        self._sync_loads: list[_Job] = []
+        self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
+        self._loading: dict[int, float] = {}
+        self._inbox: queue.SimpleQueue[list[SaveOp]] = queue.SimpleQueue()
+        self._last_event: Any = None
+        self._causes_logged: set[str] = set()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- submission (executor thread) -------------------------------------------------------------
+    def submit_load(self, op: LoadOp, event: Any) -> None:
+        self._check_open()
+        job = self._submit(op.request_id, "load", op.keys[0], len(op.keys), self._run_load, op, event)
+        if not op.is_async:
+            self._sync_loads.append(job)
+
+    def submit_save(self, op: SaveOp, event: Any) -> None:
+        self._check_open()
+        self._submit(op.request_id, "save", op.keys[0], len(op.keys), self._run_save, op, event)
+
+    def deliver_saves(self, ops: list[SaveOp]) -> None:
+        """Saves of a finished request handed over by the in-process scheduler (any thread)."""
+        self._inbox.put(ops)
+
+    def note_forward_event(self, event: Any) -> None:
+        self._last_event = event
+
+    def _submit(self, rid: int, kind: str, first_key: bytes, nblocks: int, fn, *args) -> _Job:
+        now = time.monotonic()
+        job = _Job(rid, kind, self._exec.submit(fn, *args, now + self.settings.deadline_s), now,
+                   nblocks * self.pool.payload_len, first_key)
+        self._jobs.setdefault(rid, []).append(job)
+        return job
+
+    # -- transfer threads -------------------------------------------------------------------------
+    def _run_load(self, op: LoadOp, event: Any, deadline: float) -> int:
+        with nvtx_range(f"io/load r{op.request_id} x{len(op.keys)}", "red"):
+            _wait_event(event)
+            pins = pin_blocks(self.pool, list(op.keys))
+            try:
+                views = [self.kv.block_view(b) for b in op.block_ids]
+                return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
+                                   retries=self.settings.read_retries, deadline=deadline)
+            finally:
+                for p in pins:
+                    self.pool.unpin(p)
+
+    def _run_save(self, op: SaveOp, event: Any, deadline: float) -> SaveOutcome:
+        with nvtx_range(f"io/save r{op.request_id} x{len(op.keys)}", "orange"):
+            _wait_event(event)
+            views = [self.kv.block_view(b) for b in op.block_ids]
+            return save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)
+
+    # -- completion (executor thread) -------------------------------------------------------------
+    def wait_sync_loads(self) -> None:
+        """Block until this iteration's synchronous loads are in place (before the first layer)."""
+        jobs, self._sync_loads = self._sync_loads, []
+        for job in jobs:
+            remaining = job.accepted + self.settings.deadline_s - time.monotonic()
+            try:
+                job.future.result(timeout=max(remaining, 0.0))
+            except TimeoutError:
+                raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {job.rid} "
+                                       f"({job.nbytes} bytes from {self.pool.path_for(job.first_key)}) passed "
+                                       f"its {self.settings.deadline_s:.1f}s deadline") from None
+            except LoadFailure as exc:
+                raise self._load_failure(job, exc) from None
+            self.stats.add_many(loads_sync=1, bytes_loaded=job.nbytes)
+
+    @property
+    def has_sync_loads(self) -> bool:
+        return bool(self._sync_loads)
+
+    def poll(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        now = time.monotonic()
+        while not self._inbox.empty():
+            for op in self._inbox.get_nowait():
+                self.submit_save(op, self._last_event)
+        for rid in finished_gen_req_ids:
+            self._finishing.setdefault(rid, now)
+        for rid in started_loading_req_ids:
+            self._loading.setdefault(rid, now)
+        done_loading = [rid for rid in list(self._loading) if self._loads_done(rid, now)]
+        for rid in done_loading:
+            del self._loading[rid]
+        done_saving = []
+        for rid in list(self._finishing):
+            if rid in self._loading or not self._all_done(rid, now):
+                continue
+            del self._finishing[rid]
+            self._reap(rid, keep_pending=False)
+            done_saving.append(rid)
+        for rid in list(self._jobs):
+            if rid not in self._finishing and rid not in self._loading:
+                self._reap(rid, keep_pending=True)
+        return done_saving, done_loading
+
+    def _loads_done(self, rid: int, now: float) -> bool:
+        loads = [j for j in self._jobs.get(rid, ()) if j.kind == "load"]
+        if not loads:
+            self._check_deadline(rid, "load", self._loading[rid], now, None)
+            return False
+        for job in loads:
+            if not job.future.done():
+                self._check_deadline(rid, "load", job.accepted, now, job)
+                return False
+        for job in loads:
+            exc = job.future.exception()
+            if exc is not None:
+                raise self._load_failure(job, exc)
+        self.stats.add_many(loads_async=len(loads), bytes_loaded=sum(j.nbytes for j in loads))
+        self._jobs[rid] = [j for j in self._jobs[rid] if j.kind != "load"]
+        return True
+
+    def _all_done(self, rid: int, now: float) -> bool:
+        for job in self._jobs.get(rid, ()):
+            if not job.future.done():
+                self._check_deadline(rid, job.kind, job.accepted, now, job)
+                return False
+        return True
+
+    def _reap(self, rid: int, keep_pending: bool) -> None:
+        """Account finished jobs of a request; drop its record when nothing is pending."""
+        kept = []
+        for job in self._jobs.get(rid, ()):
+            if not job.future.done():
+                kept.append(job)
+                continue
+            if job.kind == "save":
+                self._account_save(job)
+            elif job.future.exception() is not None:
+                if keep_pending:
+                    kept.append(job)  # a load failure is reported when its id is polled
+        if kept:
+            self._jobs[rid] = kept
+        else:
+            self._jobs.pop(rid, None)
+
+    def _account_save(self, job: _Job) -> None:
+        if job.future.cancelled():
+            self.stats.add("save_batches_cancelled")
+            return
+        exc = job.future.exception()
+        if exc is not None:
+            self._note_save_failure(type(exc).__name__, job, str(exc))
+            return
+        out: SaveOutcome = job.future.result()
+        self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
+                            save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
+                            save_blocks_failed=len(out.failed))
+        for key, cause in out.failed:
+            self._note_save_failure(cause, job, self.pool.path_for(key))
+
+    def _note_save_failure(self, cause: str, job: _Job, detail: str) -> None:
+        self.stats.add(f"save_failed_{cause}")
+        if cause not in self._causes_logged:
+            self._causes_logged.add(cause)
+            log.warning("gds-kv-connector: dropping saves that fail with %s (first: request %d, %s); "
+                        "serving continues, further %s failures are only counted", cause, job.rid, detail, cause)
+
+    def _check_deadline(self, rid: int, kind: str, since: float, now: float, job: _Job | None) -> None:
+        if now - since <= self.settings.deadline_s:
+            return
+        where = self.pool.path_for(job.first_key) if job else "(no transfer was ever submitted for it)"
+        raise ConnectorFailure(f"gds-kv-connector: {kind} of request {rid} exceeded its "
+                               f"{self.settings.deadline_s:.1f}s deadline (started {now - since:.1f}s ago; "
+                               f"first file {where})")
+
+    def _load_failure(self, job: _Job, exc: BaseException) -> ConnectorFailure:
+        self.stats.add("load_failures")
+        if isinstance(exc, LoadFailure):
+            return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed: key {exc.key.hex()}, "
+                                    f"file {exc.path}: {exc.reason}")
+        return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed: {exc!r}")
+
+    # -- cancellation and shutdown ----------------------------------------------------------------
+    def cancel_queued(self, rid: int) -> int:
+        """Drop transfers of a request that have not started; in-flight ones run to completion."""
+        dropped = sum(1 for job in self._jobs.get(rid, ()) if job.future.cancel())
+        self.stats.add("transfers_dropped_queued", dropped)
+        return dropped
+
+    def shutdown(self) -> dict[str, int]:
+        """Stop accepting work, drop queued batches, wait for in-flight ones up to the control grace."""
+        self._closed = True
+        dropped = sum(1 for jobs in self._jobs.values() for j in jobs if j.future.cancel())
+        end = time.monotonic() + self.settings.control_grace_s
+        stuck = 0
+        for jobs in self._jobs.values():
+            for job in jobs:
+                try:
+                    job.future.exception(timeout=max(end - time.monotonic(), 0.0))
+                except TimeoutError:
+                    stuck += 1
+                except Exception:  # noqa: BLE001 - cancelled futures raise CancelledError
+                    pass
+        self._exec.shutdown(wait=stuck == 0, cancel_futures=True)
+        if stuck == 0:
+            self.engine.close()
+        else:
+            log.error("gds-kv-connector: %d transfer(s) still in flight after the %.1fs control grace",
+                      stuck, self.settings.control_grace_s)
+        return {"dropped": dropped, "stuck": stuck}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectorFailure("gds-kv-connector: transfer submitted after shutdown")
+
+
+def _wait_event(event: Any) -> None:
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,58 @@
+"""The only module that imports tensorrt_llm.
+
+It binds the connector base classes and data types to TensorRT-LLM's own when the package is
+importable (new module path first, then the pre-1.4 one) and to the in-repo mirror otherwise,
+so the connector runs unchanged inside TensorRT-LLM and in CPU-only tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+_PATHS = ("tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
+          "tensorrt_llm._torch.pyexecutor.kv_cache_connector")
+_NAMES = ("KvCacheConnectorScheduler", "KvCacheConnectorWorker", "SchedulerOutput", "RequestData")
+
+
+def _bind() -> tuple[str, dict]:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        from . import trtllm_mirror
+        return "gds_kv_connector.trtllm_mirror", {n: getattr(trtllm_mirror, n) for n in _NAMES}
+    errors = []
+    for path in _PATHS:
+        try:
+            mod = importlib.import_module(path)
+        except ImportError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        missing = [n for n in _NAMES if not hasattr(mod, n)]
+        if missing:
+            errors.append(f"{path}: lacks {', '.join(missing)}")
+            continue
+        return path, {n: getattr(mod, n) for n in _NAMES}
+    raise ImportError("tensorrt_llm is installed but its KV-cache connector API could not be imported:\n  "
+                      + "\n  ".join(errors))
+
+
+SOURCE, _bound = _bind()
+KvCacheConnectorScheduler = _bound["KvCacheConnectorScheduler"]
+KvCacheConnectorWorker = _bound["KvCacheConnectorWorker"]
+SchedulerOutput = _bound["SchedulerOutput"]
+RequestData = _bound["RequestData"]
+BAD_PAGE_INDEX = -1
+
+
+def mpi_rank() -> int:
+    """This process's global rank: TensorRT-LLM's view when available, else the launcher's env."""
+    if SOURCE != "gds_kv_connector.trtllm_mirror":
+        try:
+            from tensorrt_llm._utils import mpi_rank as _rank
+            return int(_rank())
+        except (ImportError, AttributeError):
+            pass
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0

@@ -1,0 +1,121 @@
+"""The worker half: owns the KV pool view, the I/O engine and the transfer threads of one rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Tuple
+
+import torch
+
+from .engines import make_engine
+from .fileops import FileOps
+from .keys import PoolGeometry, shard_fingerprint
+from .kv_layout import KvPool, pool_from_layout, pool_from_tensor
+from .llm_config import read_llm_args
+from .local_peer import PeerInfo, register, unregister
+from .metadata import GdsKvMetadata
+from .nvtx_ranges import nvtx_range
+from .pool import BlockPool
+from .settings import Settings
+from .stats import Stats
+from .transfers import TransferManager
+from .trtllm_api import KvCacheConnectorWorker, mpi_rank
+
+log = logging.getLogger(__name__)
+
+
+class GdsKvConnectorWorker(KvCacheConnectorWorker):
+    """TensorRT-LLM connector worker moving full KV blocks between the pool tensor and files."""
+
+    supports_attention_dp = True
+
+    def __init__(self, llm_args: Any, *, fileops: FileOps | None = None) -> None:
+        super().__init__(llm_args)
+        self.settings = Settings.load_from()
+        self.config = read_llm_args(llm_args, self.settings.model_id)
+        self.stats = Stats()
+        self._fileops = fileops
+        self.kv: KvPool | None = None
+        self.pool: BlockPool | None = None
+        self.transfers: TransferManager | None = None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        self._setup(pool_from_tensor(kv_cache_tensor))
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        self._setup(pool_from_layout(layout))
+
+    def _setup(self, kv: KvPool) -> None:
+        if self.kv is not None:
+            raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
+        cfg = self.config
+        geom = PoolGeometry(cfg.model_id, kv.dtype_name, kv.num_layers, kv.kv_factor, kv.block_bytes,
+                            cfg.tokens_per_block, cfg.tp_size if cfg.sharded_attention else 1)
+        shards = range(geom.tp_size)
+        fingerprints = tuple(shard_fingerprint(geom, r) for r in shards)
+        my_fp = fingerprints[mpi_rank() % geom.tp_size] if cfg.sharded_attention else fingerprints[0]
+        engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops)
+        self.pool = BlockPool(self.settings.roots, my_fp, kv.block_bytes, cfg.tokens_per_block,
+                              share_group=self.settings.share_group, fsync=self.settings.fsync,
+                              index_ttl_s=self.settings.index_ttl_s, geometry_note=geom.describe(),
+                              ops=self._fileops)
+        self.pool.cleanup_stale_tmp()
+        self.kv = kv
+        self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats)
+        register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
+                                          self.stats))
+        log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s)", kv.num_blocks,
+                 kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe())
+
+    # -- per iteration ----------------------------------------------------------------------------
+    def start_load_kv(self, stream: Any) -> None:
+        with nvtx_range("worker/start_load_kv", "yellow"):
+            meta = self._metadata
+            if not isinstance(meta, GdsKvMetadata) or not meta.loads:
+                return
+            event = self._record_event(stream)
+            for op in meta.loads:
+                self.transfers.submit_load(op, event)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        if self.transfers is not None and self.transfers.has_sync_loads:
+            with nvtx_range("worker/wait_sync_load", "red"):
+                self.transfers.wait_sync_loads()
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Saves are issued once per iteration in wait_for_save, after the last layer."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        with nvtx_range("worker/wait_for_save", "yellow"):
+            if self.transfers is None:
+                return
+            event = self._record_event(stream)
+            self.transfers.note_forward_event(event)
+            meta = self._metadata
+            if isinstance(meta, GdsKvMetadata):
+                for op in meta.saves:
+                    self.transfers.submit_save(op, event)
+
+    def get_finished(self, finished_gen_req_ids: List[int],
+                     started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
+        with nvtx_range("worker/get_finished", "yellow"):
+            if self.transfers is None:
+                return [], []
+            return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def shutdown(self) -> dict[str, int]:
+        """Stop accepting transfers, drop queued ones, drain in-flight ones within the control grace."""
+        unregister(self._llm_args)
+        if self.transfers is None:
+            return {"dropped": 0, "stuck": 0}
+        return self.transfers.shutdown()
+
+    def _record_event(self, stream: Any) -> Any:
+        """An event after all work queued so far on the forward stream; None for a host pool."""
+        if self.kv is None or self.kv.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
+        return event
