@@ -45,6 +45,12 @@ class FileOps:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def fchmod(self, fd: int, mode: int) -> None:
+        os.fchmod(fd, mode)
+
 
 def write_all(ops: FileOps, fd: int, data, offset: int) -> None:
     """pwrite until every byte is written; a zero-byte write is an error, never a spin."""

@@ -57,7 +57,7 @@ class _Request:
         have = len(self.keys)
         if n_blocks > have:
             need = n_blocks * tpb
-            if len(self.token_bytes) < need:
+            if len(self.token_bytes) < need * 8:
                 self.token_bytes += tokens_to_bytes(self.tokens[len(self.token_bytes) // 8:need])
             prev = self.keys[-1] if self.keys else self.seed
             self.keys.extend(extend_chain(prev, bytes(self.token_bytes), tpb, have, n_blocks - have))

@@ -1,0 +1,146 @@
+"""Walking a pool root without a BlockPool: what eviction and the operator commands see.
+
+A BlockPool is one fingerprint's view and creates directories; maintenance must see every
+fingerprint, create nothing, and survive files that appear, vanish or are garbage while it
+walks, because other owners keep serving from the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+from .pool import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX
+from .pool_format import HEADER_SIZE, BlockHeader, parse_header
+
+_HEX = frozenset("0123456789abcdef")
+_FP_DIR_LEN = 16
+_KEY_HEX_LEN = 64
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """A published block as seen by one directory walk."""
+
+    fp: str  # fingerprint directory name (fingerprint hex[:16])
+    key: bytes
+    path: str
+    size: int
+    ino: int
+    mtime_ns: int
+
+
+@dataclass
+class PoolScan:
+    blocks: list[BlockFile] = field(default_factory=list)
+    tmp: list[str] = field(default_factory=list)  # temporary files of writers, live or dead
+    foreign: int = 0  # entries that are neither blocks nor temporary files
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(b.size for b in self.blocks)
+
+
+def layout_dir(root: str) -> str:
+    return os.path.join(os.path.abspath(root), LAYOUT_DIR)
+
+
+def quarantine_dir(root: str) -> str:
+    return os.path.join(layout_dir(root), QUARANTINE_DIR)
+
+
+def owners_dir(root: str) -> str:
+    return os.path.join(layout_dir(root), OWNERS_DIR)
+
+
+def fingerprint_dirs(root: str) -> list[str]:
+    """Names of the fingerprint directories (16 hex digits); other entries are not blocks."""
+    return sorted(n for n in _listdir(layout_dir(root)) if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
+
+
+def scan_pool(root: str) -> PoolScan:
+    """lstat every entry below the fingerprint directories (no file is opened)."""
+    out = PoolScan()
+    base = layout_dir(root)
+    for fp in fingerprint_dirs(root):
+        fp_dir = os.path.join(base, fp)
+        for sub in _listdir(fp_dir):
+            d = os.path.join(fp_dir, sub)
+            if len(sub) != 2 or not set(sub) <= _HEX:
+                continue
+            try:
+                it = os.scandir(d)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for entry in it:
+                    _classify(out, fp, sub, entry)
+    return out
+
+
+def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
+    name = entry.name
+    if name.startswith(TMP_PREFIX):
+        out.tmp.append(entry.path)
+        return
+    stem = name[:-len(BLOCK_SUFFIX)]
+    if not name.endswith(BLOCK_SUFFIX) or len(stem) != _KEY_HEX_LEN or not set(stem) <= _HEX \
+            or stem[:2] != sub:
+        out.foreign += 1
+        return
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        out.foreign += 1
+        return
+    out.blocks.append(BlockFile(fp, bytes.fromhex(stem), entry.path, st.st_size, st.st_ino, st.st_mtime_ns))
+
+
+def read_header(block: BlockFile) -> BlockHeader:
+    """Parse the header of a scanned block against its name; raises OSError or FormatError."""
+    fd = os.open(block.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return parse_header(raw, key=block.key, file_size=size)
+
+
+def read_geometry(root: str, fp: str) -> dict | None:
+    """The fingerprint.json an owner wrote for this fingerprint, or None if absent or garbage."""
+    try:
+        with open(os.path.join(layout_dir(root), fp, "fingerprint.json"), "rb") as fh:
+            data = json.loads(fh.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def quarantine_destination(root: str, key_hex: str, reason: str, now_ns: int | None = None) -> str:
+    """Where a bad file goes: the same naming BlockPool.quarantine uses, age in the name.
+
+    The age must be in the name because rename keeps the mtime of the original publication.
+    """
+    tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
+    return os.path.join(quarantine_dir(root), f"{key_hex}.{now_ns or time.time_ns()}.{tag}")
+
+
+def quarantined_at_ns(path: str) -> int:
+    """When a quarantine entry was made, from its name, else its ctime (rename updates ctime)."""
+    parts = os.path.basename(path).split(".")
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return os.stat(path, follow_symlinks=False).st_ctime_ns
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []

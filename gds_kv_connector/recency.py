@@ -1,0 +1,315 @@
+"""Block recency shared by every owner of a pool, without atime.
+
+atime is unreliable on shared filesystems (noatime, relatime, NFS attribute caching) and a stat
+per lookup would be too slow anyway, so each owner appends ``(key, unix ns)`` records to its own
+log ``<root>/gdskv-v1/owners/<owner>.access``.  One writer per file means appends never
+interleave, even on NFS where O_APPEND is not atomic across clients; readers merge every log
+(newest time per key wins).  Records are fixed-size binary so a torn tail is detectable and
+nothing from the shared directory is ever unpickled.
+
+The executor thread only appends to an in-memory deque (:meth:`RecencyLog.touch`); a background
+thread writes batches.  A touch therefore protects a block from eviction only once flushed, so
+the flush interval must stay far below the eviction grace.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from .pool import _HOST, LAYOUT_DIR, OWNERS_DIR
+
+log = logging.getLogger(__name__)
+
+RECORD = struct.Struct("<32sQ")
+ACCESS_SUFFIX = ".access"
+ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
+MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
+MAX_PENDING_BATCHES = 1 << 16  # touches kept while the filesystem does not accept writes
+_EPOCH_2020_NS = 1_577_836_800 * 10**9
+_FUTURE_SLACK_NS = 86_400 * 10**9
+
+
+def default_owner_id() -> str:
+    """``<host>-<pid>``: unique per live process across the nodes sharing a pool."""
+    return f"{_HOST}-{os.getpid()}"
+
+
+def owners_dir(root: str) -> str:
+    return os.path.join(os.path.abspath(root), LAYOUT_DIR, OWNERS_DIR)
+
+
+class RecencyLog:
+    """This owner's access log, over one or several pool roots.
+
+    With several roots a key's records go to the root that holds the key (the same
+    ``key[0] % len(roots)`` rule as :class:`~gds_kv_connector.pool.BlockPool`), so each root's
+    evictor sees every touch of its blocks.
+    """
+
+    def __init__(self, roots: str | Sequence[str], owner_id: str | None = None, *,
+                 flush_interval_s: float = 1.0, max_log_bytes: int = MAX_LOG_BYTES) -> None:
+        self.roots = (roots,) if isinstance(roots, str) else tuple(roots)
+        if not self.roots:
+            raise ValueError("RecencyLog needs at least one pool root")
+        self.owner_id = owner_id or default_owner_id()
+        self.max_log_bytes = max_log_bytes
+        self.dropped = 0
+        self._pending: deque[tuple[int, Sequence[bytes]]] = deque(maxlen=MAX_PENDING_BATCHES)
+        self._logs = [_OwnerLog(os.path.join(owners_dir(r), self.owner_id + ACCESS_SUFFIX)) for r in self.roots]
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if flush_interval_s > 0:
+            self._thread = threading.Thread(target=self._run, args=(flush_interval_s,),
+                                            name="gdskv-recency", daemon=True)
+            self._thread.start()
+
+    def touch(self, keys: Sequence[bytes], now_ns: int | None = None) -> None:
+        """Record an access to ``keys``; the sequence is kept as is, so do not mutate it later.
+
+        Only a deque append, so it is safe on the executor thread; if flushes fail for long
+        enough the oldest batches are dropped rather than letting memory grow.
+        """
+        if keys:
+            self._pending.append((now_ns or time.time_ns(), keys))
+
+    def flush(self) -> int:
+        """Write pending touches; returns the number of records written."""
+        with self._flush_lock:
+            per_root: list[list[bytes]] = [[] for _ in self.roots]
+            n_roots = len(self.roots)
+            while True:
+                try:
+                    ts, keys = self._pending.popleft()
+                except IndexError:
+                    break
+                for key in keys:
+                    per_root[key[0] % n_roots].append(RECORD.pack(key, ts))
+            written = 0
+            for owner_log, records in zip(self._logs, per_root):
+                if not records:
+                    continue
+                try:
+                    owner_log.append(b"".join(records))
+                    written += len(records)
+                    if owner_log.size > self.max_log_bytes:
+                        owner_log.compact(self.max_log_bytes // 2)
+                except OSError as exc:
+                    self.dropped += len(records)
+                    log.warning("could not write access log %s (%s); %d touch(es) lost",
+                                owner_log.path, exc, len(records))
+            return written
+
+    def close(self) -> None:
+        """Stop the flusher and write what is pending; the log stays for other owners to read."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+        for owner_log in self._logs:
+            owner_log.close()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the flusher must outlive one bad flush
+                log.exception("access log flush failed")
+
+
+class _OwnerLog:
+    """One append-only file with a single writer; positional writes make retries idempotent."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+        self.size = 0
+
+    def append(self, data: bytes) -> None:
+        for attempt in (0, 1):
+            if self.fd < 0 or self._unlinked():
+                self._open()
+            try:
+                _pwrite_all(self.fd, data, self.size)
+                self.size += len(data)
+                return
+            except OSError as exc:
+                if attempt or exc.errno != errno.ESTALE:
+                    raise
+                self.close()  # an evictor folded this log away on another node: start a new one
+
+    def compact(self, target_bytes: int) -> None:
+        """Rewrite the log as one record per key, newest keys first if still too large."""
+        latest = merge_records(_read_file(self.path))
+        keep = sorted(latest.items(), key=lambda kv: kv[1], reverse=True)[:max(1, target_bytes // RECORD.size)]
+        _atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _unlinked(self) -> bool:
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def _open(self) -> None:
+        self.close()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+        size = os.fstat(self.fd).st_size
+        self.size = size - size % RECORD.size  # overwrite a torn record left by a crash
+
+
+class RecencyIndex:
+    """Merged recency of every owner's log in one root, refreshed incrementally.
+
+    Keeps each log's identity and read offset so a refresh reads only appended bytes; a log
+    replaced by compaction (new inode, or shorter) is read again from the start.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.dir = owners_dir(root)
+        self.latest: dict[bytes, int] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes consumed)
+
+    def refresh(self) -> dict[bytes, int]:
+        try:
+            names = [n for n in os.listdir(self.dir) if n.endswith(ACCESS_SUFFIX)]
+        except FileNotFoundError:
+            return self.latest
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                ino, done = self._offsets.get(name, (st.st_ino, 0))
+                if ino != st.st_ino or st.st_size < done:
+                    done = 0
+                usable = (st.st_size - done) // RECORD.size * RECORD.size
+                data = _pread_all(fd, usable, done) if usable else b""
+                data = data[:len(data) - len(data) % RECORD.size]
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            self._offsets[name] = (st.st_ino, done + len(data))
+            merge_records(data, self.latest)
+        return self.latest
+
+
+def load_recency(root: str) -> dict[bytes, int]:
+    """Newest access time (unix ns) per key over every owner's log in ``root``."""
+    return RecencyIndex(root).refresh()
+
+
+def merge_records(data: bytes, into: dict[bytes, int] | None = None) -> dict[bytes, int]:
+    """Fold records into ``into``, ignoring a partial trailing record and impossible times.
+
+    A time before 2020 or more than a day ahead is garbage (zero-filled blocks after a crash,
+    a foreign file), not an access, and must not make a block look fresh forever.
+    """
+    latest = {} if into is None else into
+    hi = time.time_ns() + _FUTURE_SLACK_NS
+    usable = len(data) - len(data) % RECORD.size
+    get = latest.get
+    for key, ts in RECORD.iter_unpack(memoryview(data)[:usable]):
+        if _EPOCH_2020_NS <= ts <= hi and get(key, 0) < ts:
+            latest[key] = ts
+    return latest
+
+
+def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, now: float | None = None) -> int:
+    """Merge logs untouched for ``older_than_s`` into one archive log, keeping only live keys.
+
+    Every process start creates a new log, so without this the owners directory grows for
+    ever.  Must run under the eviction lock (one archiver at a time).  An idle but live owner
+    whose log is folded notices the unlink on its next flush and starts a new file.  Returns
+    the number of logs folded.
+    """
+    d = owners_dir(root)
+    now = time.time() if now is None else now
+    stale: list[str] = []
+    for name in _listdir(d):
+        if not name.endswith(ACCESS_SUFFIX) or name == ARCHIVE_NAME:
+            continue
+        try:
+            if now - os.stat(os.path.join(d, name), follow_symlinks=False).st_mtime > older_than_s:
+                stale.append(name)
+        except FileNotFoundError:
+            pass
+    archive = os.path.join(d, ARCHIVE_NAME)
+    if not stale and not os.path.exists(archive):
+        return 0
+    latest = merge_records(_read_file(archive))
+    for name in stale:
+        merge_records(_read_file(os.path.join(d, name)), latest)
+    live = set(live_keys)
+    _atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in latest.items() if k in live))
+    for name in stale:
+        try:
+            os.unlink(os.path.join(d, name))
+        except FileNotFoundError:
+            pass
+    return len(stale)
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except FileNotFoundError:
+        return []
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+    try:
+        _pwrite_all(fd, data, 0)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwrite made no progress")
+        done += n
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)

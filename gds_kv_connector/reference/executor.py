@@ -1,0 +1,336 @@
+"""A reference executor that drives a connector the way TensorRT-LLM's PyExecutor does.
+
+It follows the contract's call order (sections 4 and 5): admission calls
+``get_num_new_matched_tokens`` once, allocates pages and calls ``update_state_after_alloc``;
+an asynchronous load parks the request; each iteration that can queue work builds the
+scheduler output, the metadata (pickled, as the TP broadcast would), binds it, starts loads,
+runs the forward with per-layer hooks and ``wait_for_save``; finished requests go through
+``request_finished``; and every iteration ends with ``get_finished``, including idle ones in
+which nothing else runs.  It checks the executor's invariants and raises
+:class:`InvariantViolation` when a connector breaks one, and it verifies every block that it
+did not compute itself (loaded, or a simulated device-cache hit) byte for byte before use.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from ..nvtx_ranges import nvtx_range
+from ..trtllm_api import RequestData, SchedulerOutput
+from .model import ModelShape, PrefixHashes, ReferenceModel
+
+
+class InvariantViolation(AssertionError):
+    """The connector broke a rule the real executor relies on."""
+
+
+class State(Enum):
+    WAITING = "waiting"
+    PARKED = "parked"  # async load in flight
+    CONTEXT = "context"
+    GENERATION = "generation"
+    SAVING = "saving"  # finished; blocks held for async saves
+    DONE = "done"
+
+
+@dataclass
+class SimRequest:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int = 4
+    cache_salt: str | None = None
+    device_hit_blocks: int = 0
+    is_dummy_request: bool = False
+    # executor state
+    tokens: list[int] = field(default_factory=list)
+    state: State = State.WAITING
+    pos: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    reported_tokens: int = 0
+    reported_blocks: int = 0
+    external: int = 0
+    load_async: bool = False
+    verified_blocks: int = 0
+    generated: int = 0
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)
+
+    @property
+    def py_request_id(self) -> int:
+        return self.request_id
+
+    def get_tokens(self, beam: int = 0) -> list[int]:
+        return list(self.tokens)
+
+
+@dataclass
+class ExecutorConfig:
+    shape: ModelShape = field(default_factory=ModelShape)
+    num_blocks: int = 512
+    max_batch: int = 8
+    chunk_size: int | None = None  # chunked prefill: tokens per context chunk
+    overlap: bool = False  # deliver sampled tokens one report late, like the overlap scheduler
+    device: str = "cpu"
+    transfer_timeout_s: float = 120.0
+    idle_sleep_s: float = 0.001
+
+
+@dataclass
+class RunStats:
+    iterations: int = 0
+    idle_iterations: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    async_loads: int = 0
+    sync_loads: int = 0
+    blocks_verified: int = 0
+    max_meta_bytes: int = 0
+    callback_s: float = 0.0
+    layer_hook_calls: int = 0
+    layer_hook_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class ReferenceExecutor:
+    def __init__(self, scheduler: Any, worker: Any, config: ExecutorConfig) -> None:
+        self.sched, self.worker, self.cfg = scheduler, worker, config
+        s = config.shape
+        self.model = ReferenceModel(s)
+        self.pool = torch.zeros((config.num_blocks, s.num_layers, s.kv_factor, s.block_elems), dtype=s.dtype,
+                                device=config.device)
+        self.pool_bytes = self.pool.view(config.num_blocks, -1).view(torch.uint8)
+        self.free = deque(range(config.num_blocks))
+        self.reqs: dict[int, SimRequest] = {}
+        self.waiting: deque[SimRequest] = deque()
+        self.stats = RunStats()
+        self._new_saving: list[int] = []
+        self._new_loading: list[int] = []
+        self._pending: dict[int, tuple[str, float]] = {}  # id -> (kind, deadline)
+        self._stream = torch.cuda.current_stream() if config.device.startswith("cuda") else None
+        self._timed(self.worker.register_kv_caches, self.pool)
+        self._timed(self.sched.wait_for_initialization)
+
+    # -- public -----------------------------------------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        req.tokens = list(req.prompt)
+        self.reqs[req.request_id] = req
+        self.waiting.append(req)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(req.prompt)
+
+    def run_until_done(self, max_iterations: int = 1_000_000) -> RunStats:
+        t0 = time.perf_counter()
+        for _ in range(max_iterations):
+            if all(r.state is State.DONE for r in self.reqs.values()):
+                break
+            self.step()
+        else:
+            raise InvariantViolation(f"requests not done after {max_iterations} iterations")
+        self.stats.wall_s += time.perf_counter() - t0
+        return self.stats
+
+    def output_tokens(self, rid: int) -> list[int]:
+        r = self.reqs[rid]
+        return r.tokens[len(r.prompt):]
+
+    # -- one iteration ----------------------------------------------------------------------------
+    def step(self) -> None:
+        self.stats.iterations += 1
+        admitted_parked = self._admit()
+        batch = [r for r in self.reqs.values() if r.state in (State.CONTEXT, State.GENERATION)][:self.cfg.max_batch]
+        if batch or admitted_parked:
+            with nvtx_range("executor/iteration"):
+                self._ensure_generation_blocks(batch)
+                output = self._scheduler_output(batch)
+                meta = self._timed(self.sched.build_connector_meta, output)
+                blob = pickle.dumps(meta)  # the TP broadcast pickles it
+                self.stats.max_meta_bytes = max(self.stats.max_meta_bytes, len(blob))
+                self._timed(self.worker.bind_connector_meta, pickle.loads(blob))
+                self._timed(self.worker.start_load_kv, self._stream)
+                if batch:
+                    self._forward(batch)
+                    self._timed(self.worker.wait_for_save, self._stream)
+                    self._sample_and_finish(batch)
+        else:
+            self.stats.idle_iterations += 1
+            time.sleep(self.cfg.idle_sleep_s)
+        self._poll_finished()
+
+    def _admit(self) -> bool:
+        admitted_parked = False
+        tpb = self.cfg.shape.tokens_per_block
+        while self.waiting:
+            req = self.waiting[0]
+            need = -(-len(req.prompt) // tpb)
+            if len(self.free) < need + 1:
+                if not any(r.state not in (State.WAITING, State.DONE) for r in self.reqs.values()):
+                    raise InvariantViolation(f"request {req.request_id} needs {need} blocks; pool too small")
+                break
+            self.waiting.popleft()
+            req.block_ids = [self.free.popleft() for _ in range(need)]
+            device = min(req.device_hit_blocks, (len(req.prompt) - 1) // tpb) * tpb
+            req.hashes.extend_to(req.tokens, len(req.prompt))
+            if device:  # a device prefix-cache hit: those pages already hold the right KV
+                self.model.write_tokens(self.pool_bytes, req.block_ids, req.hashes.hashes, 0, device)
+            matched, is_async = self._timed(self.sched.get_num_new_matched_tokens, req, device)
+            if not isinstance(matched, int) or matched < 0:
+                raise InvariantViolation(f"get_num_new_matched_tokens returned {matched!r}")
+            if matched == 0 and is_async:
+                raise InvariantViolation("load_kv_async must be False when num_tokens is 0!")
+            if device + matched > len(req.prompt) - 1:
+                raise InvariantViolation(f"request {req.request_id}: matched {matched} + device {device} leaves no "
+                                         f"prompt token of {len(req.prompt)} to compute")
+            self._timed(self.sched.update_state_after_alloc, req, list(req.block_ids))
+            req.pos, req.external, req.load_async = device + matched, matched, bool(is_async)
+            req.verified_blocks = 0
+            self.stats.device_hit_tokens += device
+            self.stats.loaded_tokens += matched
+            if is_async:
+                req.state = State.PARKED
+                self._new_loading.append(req.request_id)
+                self.stats.async_loads += 1
+                admitted_parked = True
+            else:
+                req.state = State.CONTEXT
+                self.stats.sync_loads += bool(matched)
+        return admitted_parked
+
+    def _ensure_generation_blocks(self, batch: list[SimRequest]) -> None:
+        tpb = self.cfg.shape.tokens_per_block
+        for r in batch:
+            if r.state is State.GENERATION:
+                while len(r.block_ids) * tpb < len(r.tokens):
+                    if not self.free:
+                        raise InvariantViolation("out of KV blocks during generation")
+                    r.block_ids.append(self.free.popleft())
+
+    def _scheduler_output(self, batch: list[SimRequest]) -> Any:
+        out = SchedulerOutput()
+        for r in batch:
+            visible = len(r.tokens) - (1 if self.cfg.overlap and r.state is State.GENERATION else 0)
+            visible = max(visible, r.reported_tokens)
+            first = r.reported_tokens == 0
+            if r.state is State.CONTEXT:
+                computed = r.pos - (r.external if first and not r.load_async else 0)
+                scheduled = self._chunk(r)
+            else:
+                computed, scheduled = visible - 1, 1
+            rd = RequestData(request_id=r.request_id, new_tokens=r.tokens[r.reported_tokens:visible],
+                             new_block_ids=r.block_ids[r.reported_blocks:], computed_position=computed,
+                             num_scheduled_tokens=scheduled)
+            if hasattr(rd, "cache_salt"):
+                rd.cache_salt = r.cache_salt
+            r.reported_tokens, r.reported_blocks = visible, len(r.block_ids)
+            (out.new_requests if first else out.cached_requests).append(rd)
+        return out
+
+    def _chunk(self, r: SimRequest) -> int:
+        remaining = len(r.prompt) - r.pos
+        return min(remaining, self.cfg.chunk_size) if self.cfg.chunk_size else remaining
+
+    def _forward(self, batch: list[SimRequest]) -> None:
+        s = self.cfg.shape
+        spans = []
+        for r in batch:
+            if r.state is State.CONTEXT:
+                start, end = r.pos, r.pos + self._chunk(r)
+            else:
+                start, end = len(r.tokens) - 1, len(r.tokens)
+            r.hashes.extend_to(r.tokens, end)
+            spans.append((r, start, end))
+        with nvtx_range("executor/forward"):
+            for layer in range(s.num_layers):
+                self._timed_layer(self.worker.wait_for_layer_load, layer, self._stream)
+                if layer == 0:
+                    for r, start, _ in spans:
+                        self._verify_prefix(r, start)
+                for r, start, end in spans:
+                    self.model.write_tokens(self.pool_bytes, r.block_ids, r.hashes.hashes, start, end, layer)
+                self._timed_layer(self.worker.save_kv_layer, layer, self._stream)
+        for r, start, end in spans:
+            self.stats.computed_tokens += end - start
+            if r.state is State.CONTEXT:
+                r.pos = end
+
+    def _verify_prefix(self, r: SimRequest, start: int) -> None:
+        """Check every full block before ``start`` that this executor did not write itself."""
+        tpb = self.cfg.shape.tokens_per_block
+        for b in range(r.verified_blocks, start // tpb):
+            if not self.model.block_matches(self.pool_bytes, r.block_ids[b], r.hashes.hashes, b):
+                raise InvariantViolation(f"request {r.request_id}: block {b} (page {r.block_ids[b]}) does not hold "
+                                         "the KV of its prefix: wrong, torn or stale load")
+            self.stats.blocks_verified += 1
+        r.verified_blocks = max(r.verified_blocks, start // tpb)
+
+    def _sample_and_finish(self, batch: list[SimRequest]) -> None:
+        for r in batch:
+            if r.state is State.CONTEXT and r.pos < len(r.prompt):
+                continue
+            r.tokens.append(self.model.next_token(r.hashes.hashes[len(r.tokens) - 1]))
+            r.generated += 1
+            self.stats.generated_tokens += 1
+            r.state = State.GENERATION
+            if r.generated >= r.max_new_tokens:
+                self._finish(r)
+
+    def _finish(self, r: SimRequest) -> None:
+        keep = self._timed(self.sched.request_finished, r, list(r.block_ids))
+        if keep:
+            r.state = State.SAVING
+            self._new_saving.append(r.request_id)
+        else:
+            self._release(r)
+
+    def _release(self, r: SimRequest) -> None:
+        self.free.extend(r.block_ids)
+        r.block_ids = []
+        r.state = State.DONE
+
+    def _poll_finished(self) -> None:
+        now = time.monotonic()
+        for rid in self._new_saving:
+            self._pending[rid] = ("save", now + self.cfg.transfer_timeout_s)
+        for rid in self._new_loading:
+            self._pending[rid] = ("load", now + self.cfg.transfer_timeout_s)
+        saving, loading = self._timed(self.worker.get_finished, self._new_saving, self._new_loading)
+        self._new_saving, self._new_loading = [], []
+        for kind, ids in (("save", saving), ("load", loading)):
+            for rid in ids:
+                entry = self._pending.pop(rid, None)
+                if entry is None or entry[0] != kind:
+                    raise InvariantViolation(f"get_finished reported {kind} of request {rid}, which was not pending "
+                                             f"(never passed in, or already reported)")
+                r = self.reqs[rid]
+                if kind == "save":
+                    self._release(r)
+                else:
+                    r.state = State.CONTEXT
+        for rid, (kind, deadline) in self._pending.items():
+            if now > deadline:
+                raise InvariantViolation(f"KV connector failed: {kind} of request {rid} timed out")
+
+    # -- timing -----------------------------------------------------------------------------------
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats.callback_s += time.perf_counter() - t0
+
+    def _timed_layer(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.stats.layer_hook_s += time.perf_counter() - t0
+            self.stats.layer_hook_calls += 1
