@@ -16,7 +16,7 @@ import torch
 
 from .checksum import CHECKSUM_ALGO
 from .engines.base import IoEngine, TransferItem
-from .pool import BlockPool, Pin
+from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError
 
 log = logging.getLogger(__name__)
@@ -50,31 +50,38 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     if not todo:
         return out
     sums = engine.checksums([views[i] for i in todo])
-    opened: list[tuple[int, int, str]] = []  # (index, fd, tmp)
+    opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
     now = time.time_ns()
-    for i, csum in zip(todo, sums):
-        header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
-                             pool.tokens_per_block, now, parents[i] or ZERO_KEY)
-        try:
-            fd, tmp = pool.create_tmp(keys[i], header)
-        except OSError as exc:
-            out.failed.append((keys[i], _cause(exc)))
-            continue
-        opened.append((i, fd, tmp))
-    errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i]) for i, fd, _ in opened])
-    for (i, fd, tmp), err in zip(opened, errors):
-        if err is not None:
+    try:
+        for i, csum in zip(todo, sums):
+            header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
+                                 pool.tokens_per_block, now, parents[i] or ZERO_KEY)
+            try:
+                fd, tmp = pool.create_tmp(keys[i], header)
+            except (OSError, PoolError) as exc:  # PoolError: a directory was replaced by a file
+                out.failed.append((keys[i], _cause(exc)))
+                continue
+            opened.append((i, fd, tmp))
+        errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i]) for i, fd, _ in opened])
+        while opened:
+            (i, fd, tmp), err = opened.pop(0), errors.pop(0)
+            if err is not None:
+                pool.discard_tmp(fd, tmp)
+                out.failed.append((keys[i], _cause(err)))
+                continue
+            try:
+                if pool.publish(fd, tmp, keys[i]):
+                    out.published += 1
+                    out.bytes_written += pool.payload_len
+                else:
+                    out.lost_race += 1
+            except OSError as exc:
+                out.failed.append((keys[i], _cause(exc)))
+    finally:
+        # Only reached with entries left when something unexpected escaped (a bug, an interrupt):
+        # never leave their temporary files behind.
+        for _i, fd, tmp in opened:
             pool.discard_tmp(fd, tmp)
-            out.failed.append((keys[i], _cause(err)))
-            continue
-        try:
-            if pool.publish(fd, tmp, keys[i]):
-                out.published += 1
-                out.bytes_written += pool.payload_len
-            else:
-                out.lost_race += 1
-        except OSError as exc:
-            out.failed.append((keys[i], _cause(exc)))
     return out
 
 
@@ -88,8 +95,7 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
             except FileNotFoundError:
                 pool.forget(key)
                 raise LoadFailure(key, pool.path_for(key), "file vanished before it could be opened") from None
-            except FormatError as exc:
-                pool.quarantine(key, str(exc))
+            except FormatError as exc:  # pool.pin has quarantined the file already
                 raise LoadFailure(key, pool.path_for(key), str(exc)) from None
             except OSError as exc:
                 raise LoadFailure(key, pool.path_for(key), f"open failed: {exc}") from None
@@ -104,16 +110,24 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                 verify: bool, retries: int, deadline: float) -> int:
     """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read."""
     headers: list[BlockHeader] = []
-    for pin in pins:
-        try:
-            headers.append(pool.read_header(pin))
-        except FormatError as exc:
-            pool.quarantine(pin.key, str(exc), pin.ino)
-            raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
-        except OSError as exc:
-            raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
-    pending = list(range(len(pins)))
     attempt = 0
+    for pin in pins:
+        while True:
+            try:
+                headers.append(pool.read_header(pin))
+                break
+            except FormatError as exc:
+                pool.quarantine(pin.key, str(exc), pin.ino)
+                raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
+            except EOFError as exc:
+                pool.quarantine(pin.key, "truncated", pin.ino)
+                raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
+            except OSError as exc:
+                if exc.errno not in TRANSIENT_ERRNOS or attempt >= retries or time.monotonic() >= deadline:
+                    raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
+                attempt += 1
+                log.info("retrying a block header read after %s (attempt %d of %d)", exc, attempt, retries)
+    pending = list(range(len(pins)))
     while pending:
         errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i]) for i in pending])
         failed = [(i, e) for i, e in zip(pending, errors) if e is not None]

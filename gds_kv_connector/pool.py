@@ -20,8 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .fileops import FileOps, write_all
-from .pool_format import HEADER_SIZE, BlockHeader, FormatError, file_size_for, parse_header
+from .fileops import FileOps, read_exact, write_all
+from .pool_format import HEADER_SIZE, PAGE, BlockHeader, FormatError, file_size_for, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ OWNERS_DIR = "owners"
 TMP_PREFIX = ".tmp-"
 BLOCK_SUFFIX = ".blk"
 STALE_FOREIGN_TMP_S = 3600.0
+KEY_LEN = 32
 _HOST = socket.gethostname().replace("-", "_")[:40] or "host"
 
 
@@ -79,6 +80,7 @@ class BlockPool:
 
     # -- naming -----------------------------------------------------------------------------------
     def root_of(self, key: bytes) -> int:
+        _check_key(key)
         return key[0] % len(self.roots)
 
     def dir_for(self, key: bytes) -> str:
@@ -119,23 +121,47 @@ class BlockPool:
 
     # -- reading ----------------------------------------------------------------------------------
     def pin(self, key: bytes) -> Pin:
-        """Open the block for reading; raises FileNotFoundError or FormatError."""
+        """Open the block for reading; raises FileNotFoundError, FormatError or OSError.
+
+        A file that is not a regular file of the pool's size is quarantined before FormatError
+        is raised, so no owner matches it again.  A symbolic link at the key's name is never
+        followed (O_NOFOLLOW; it could point at another key's block or outside the pool) and is
+        quarantined the same way.  O_NONBLOCK keeps a FIFO planted at the name from blocking the
+        transfer thread in open(2); it has no effect on regular files.
+        """
         path = self.path_for(key)
-        fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            try:
+                lst = os.lstat(path)
+            except OSError:
+                lst = None
+            if lst is not None and stat.S_ISLNK(lst.st_mode):
+                self.quarantine(key, "symlink", lst.st_ino)
+            raise FormatError("a symbolic link sits at the block's name (never followed)") from None
         try:
             st = self.ops.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError("not a regular file")
             if st.st_size != self.file_size:
                 raise FormatError(f"file is {st.st_size} bytes, expected {self.file_size}")
+        except FormatError as exc:
+            self.ops.close(fd)
+            self.quarantine(key, str(exc), st.st_ino)
+            raise
         except BaseException:
             self.ops.close(fd)
             raise
         return Pin(key, path, fd, st.st_ino)
 
     def read_header(self, pin: Pin) -> BlockHeader:
-        raw = self.ops.pread(pin.fd, HEADER_SIZE, 0)
-        return parse_header(raw, fingerprint=self.fingerprint, key=pin.key, payload_len=self.payload_len)
+        """Read and check the header; a short read is retried (read_exact), never taken as corrupt."""
+        raw = bytearray(HEADER_SIZE)
+        read_exact(self.ops, pin.fd, raw, 0)
+        return parse_header(bytes(raw), fingerprint=self.fingerprint, key=pin.key, payload_len=self.payload_len)
 
     def unpin(self, pin: Pin) -> None:
         if pin.fd >= 0:
@@ -149,24 +175,45 @@ class BlockPool:
 
         ``ino`` guards against moving a good file that replaced the bad one meanwhile.
         Returns the quarantine path, or None if the file was already gone or replaced.
+        Never raises OSError: it runs inside the handling of another failure, which must stay the
+        one reported.  If the file cannot be moved (quarantine directory gone, read-only pool) it is
+        unlinked instead, so the key stops matching either way.
         """
         self.forget(key)
         path = self.path_for(key)
         try:
             st = self.ops.stat(path)
-        except FileNotFoundError:
+        except OSError:
             return None
         if ino is not None and st.st_ino != ino:
             return None
         tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
-        dest = os.path.join(self.roots[self.root_of(key)], LAYOUT_DIR, QUARANTINE_DIR,
-                            f"{key.hex()}.{time.time_ns()}.{tag}")
+        qdir = os.path.join(self.roots[self.root_of(key)], LAYOUT_DIR, QUARANTINE_DIR)
+        dest = os.path.join(qdir, f"{key.hex()}.{time.time_ns()}.{secrets.token_hex(2)}.{tag}")
+        for attempt in (0, 1):
+            try:
+                self.ops.rename(path, dest)
+                log.warning("quarantined block %s (%s) -> %s", key.hex(), reason, dest)
+                return dest
+            except FileNotFoundError:
+                if attempt or not os.path.lexists(path):
+                    break
+                self._made_dirs.discard(qdir)
+                try:
+                    self._makedirs(qdir)
+                except (OSError, PoolError):
+                    break
+            except OSError as exc:
+                log.warning("could not quarantine block %s (%s): %s", key.hex(), reason, exc)
+                break
         try:
-            self.ops.rename(path, dest)
+            self.ops.unlink(path)
+            log.warning("removed bad block %s (%s); it could not be quarantined", key.hex(), reason)
         except FileNotFoundError:
-            return None
-        log.warning("quarantined block %s (%s) -> %s", key.hex(), reason, dest)
-        return dest
+            pass
+        except OSError as exc:
+            log.error("bad block %s (%s) can be neither quarantined nor removed: %s", key.hex(), reason, exc)
+        return None
 
     # -- writing ----------------------------------------------------------------------------------
     def create_tmp(self, key: bytes, header: BlockHeader) -> tuple[int, str]:
@@ -174,10 +221,20 @@ class BlockPool:
         d = self.dir_for(key)
         self._makedirs(d)
         tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-        fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                           self.file_mode)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
+            fd = self.ops.open(tmp, flags, self.file_mode)
+        except FileNotFoundError:
+            # The directory vanished under us (pool wiped while serving): recreate it once.
+            self._forget_dirs(d)
+            self._makedirs(d)
+            fd = self.ops.open(tmp, flags, self.file_mode)
+        try:
+            if self.file_mode & 0o077:
+                self.ops.fchmod(fd, self.file_mode)  # the umask must not take the group bits away
             write_all(self.ops, fd, header.pack(), 0)
+            if self.payload_len % PAGE:
+                self.ops.ftruncate(fd, self.file_size)  # the zero padding readers expect
         except BaseException:
             self.discard_tmp(fd, tmp)
             raise
@@ -262,7 +319,8 @@ class BlockPool:
         if not os.access(root, os.W_OK | os.X_OK):
             raise PoolError(f"pool root {root} is not writable by this process")
 
-    def _makedirs(self, d: str) -> None:
+    def _makedirs(self, d: str, depth: int = 0) -> None:
+        """Create ``d`` (and missing parents below the root) with exactly the pool's directory mode."""
         if d in self._made_dirs:
             return
         try:
@@ -271,12 +329,22 @@ class BlockPool:
         except FileExistsError:
             pass
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(d), exist_ok=True)
-            return self._makedirs(d)
-        if not os.path.isdir(d) or os.path.islink(d):
+            parent = os.path.dirname(d)
+            if depth > 8 or parent == d:
+                raise
+            self._makedirs(parent, depth + 1)
+            return self._makedirs(d, depth + 1)
+        if os.path.islink(d) or not os.path.isdir(d):
             raise PoolError(f"{d} exists and is not a directory")
         with self._lock:
             self._made_dirs.add(d)
+
+    def _forget_dirs(self, d: str) -> None:
+        """Drop ``d`` and its parents from the made-directories cache (they were removed)."""
+        with self._lock:
+            while d and d not in self.roots and d != os.path.dirname(d):
+                self._made_dirs.discard(d)
+                d = os.path.dirname(d)
 
     def _write_geometry(self, fp_dir: str, note: str) -> None:
         path = os.path.join(fp_dir, "fingerprint.json")
@@ -288,6 +356,13 @@ class BlockPool:
                        "payload_len": self.payload_len, "tokens_per_block": self.tokens_per_block}, fh)
         os.chmod(tmp, self.file_mode)
         os.replace(tmp, path)
+
+
+def _check_key(key: bytes) -> None:
+    """Keys name files: exactly 32 bytes, shown as 64 hex digits, so no path can leave the pool."""
+    if not isinstance(key, bytes) or len(key) != KEY_LEN:
+        raise ValueError(f"a block key must be {KEY_LEN} bytes, got {type(key).__name__} of length "
+                         f"{len(key) if hasattr(key, '__len__') else '?'}")
 
 
 def _listdir(d: str) -> list[str]:
@@ -303,7 +378,8 @@ def _tmp_is_stale(name: str, path: str, now: float) -> bool:
         return _older_than(path, now, STALE_FOREIGN_TMP_S)
     _key, host, pid, _rand = parts
     if host == _HOST and pid.isdigit():
-        return not _pid_alive(int(pid))
+        # A live pid may be a reused one; no writer holds a temporary file for an hour either way.
+        return not _pid_alive(int(pid)) or _older_than(path, now, STALE_FOREIGN_TMP_S)
     return _older_than(path, now, STALE_FOREIGN_TMP_S)
 
 

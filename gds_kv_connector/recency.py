@@ -24,7 +24,8 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from .pool import _HOST, LAYOUT_DIR, OWNERS_DIR
+from .pool import _HOST
+from .pool_scan import owners_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ _FUTURE_SLACK_NS = 86_400 * 10**9
 def default_owner_id() -> str:
     """``<host>-<pid>``: unique per live process across the nodes sharing a pool."""
     return f"{_HOST}-{os.getpid()}"
-
-
-def owners_dir(root: str) -> str:
-    return os.path.join(os.path.abspath(root), LAYOUT_DIR, OWNERS_DIR)
 
 
 class RecencyLog:

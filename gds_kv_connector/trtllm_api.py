@@ -10,14 +10,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 _PATHS = ("tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
           "tensorrt_llm._torch.pyexecutor.kv_cache_connector")
 _NAMES = ("KvCacheConnectorScheduler", "KvCacheConnectorWorker", "SchedulerOutput", "RequestData")
 
 
+def _trtllm_present() -> bool:
+    if "tensorrt_llm" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("tensorrt_llm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _bind() -> tuple[str, dict]:
-    if importlib.util.find_spec("tensorrt_llm") is None:
+    if not _trtllm_present():
         from . import trtllm_mirror
         return "gds_kv_connector.trtllm_mirror", {n: getattr(trtllm_mirror, n) for n in _NAMES}
     errors = []

@@ -1,0 +1,123 @@
+"""Running eviction from a serving process without ever stalling a save or the executor.
+
+Saves only bump a byte counter (:meth:`CapacityGuard.note_saved`); one background thread per
+process runs :func:`~gds_kv_connector.eviction.evict` on every root when a slice of the quota
+has been written since the last run, or every ``check_interval_s`` regardless (other owners
+and other tenants of the filesystem fill it too).  Across processes the eviction lock makes
+the run a no-op for all but one owner at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from .eviction import EvictionReport, HeaderCache, evict
+from .recency import RecencyIndex, RecencyLog
+from .settings import Settings
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 60.0
+SLICE_FRACTION = 0.05  # of the quota written since the last run triggers the next one
+MIN_FREE_SLICE_FRACTION = 0.25  # of min_free_bytes, when there is no quota
+
+
+class CapacityGuard:
+    """Per-process trigger for eviction; disabled (``enabled`` False) without quota or min_free."""
+
+    def __init__(self, roots: Sequence[str], *, quota_bytes: int, low_watermark: float, min_free_bytes: int,
+                 grace_s: float, recency: RecencyLog | None = None, stats: Stats | None = None,
+                 check_interval_s: float = CHECK_INTERVAL_S) -> None:
+        self.roots = tuple(roots)
+        self.quota_bytes, self.low_watermark = quota_bytes, low_watermark
+        self.min_free_bytes, self.grace_s = min_free_bytes, grace_s
+        self.enabled = bool(quota_bytes or min_free_bytes)
+        self.slice_bytes = max(1, int(quota_bytes * SLICE_FRACTION if quota_bytes
+                                      else min_free_bytes * MIN_FREE_SLICE_FRACTION))
+        self.last_reports: list[EvictionReport] = []
+        self._recency_log = recency
+        self._stats = stats
+        self._interval = check_interval_s
+        self._since = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._caches: list[HeaderCache] = [{} for _ in self.roots]
+        self._indexes = [RecencyIndex(r) for r in self.roots]
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="gdskv-evict", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, recency: RecencyLog | None = None,
+                      stats: Stats | None = None) -> "CapacityGuard":
+        return cls(settings.roots, quota_bytes=settings.quota_bytes, low_watermark=settings.low_watermark,
+                   min_free_bytes=settings.min_free_bytes, grace_s=settings.evict_grace_s,
+                   recency=recency, stats=stats)
+
+    def note_saved(self, nbytes: int) -> None:
+        """Count bytes just published; wakes the evictor once a slice of the quota is written.
+
+        Callable from any thread; a lost update between two transfer threads only delays the
+        next run a little, so there is no lock here.
+        """
+        if not self.enabled:
+            return
+        self._since += nbytes
+        if self._since >= self.slice_bytes:
+            self._wake.set()
+
+    def check_now(self, timeout: float | None = None) -> bool:
+        """Ask for a run and wait until the evictor is idle again (tests, operator hooks)."""
+        if not self.enabled:
+            return True
+        self._idle.clear()
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            if self._stop.is_set():
+                break
+            self._wake.clear()
+            self._since = 0
+            try:
+                self._check()
+            except Exception:  # noqa: BLE001 - a failed run must not end eviction for good
+                log.exception("eviction run failed")
+            if not self._wake.is_set():
+                self._idle.set()
+        self._idle.set()
+
+    def _check(self) -> None:
+        if self._recency_log is not None:
+            self._recency_log.flush()  # this process's own touches must protect its blocks
+        reports = []
+        for root, cache, index in zip(self.roots, self._caches, self._indexes):
+            t0 = time.monotonic()
+            rep = evict(root, self.quota_bytes, self.low_watermark, self.min_free_bytes, self.grace_s,
+                        header_cache=cache, recency=index)
+            reports.append(rep)
+            if self._stats is not None:
+                self._stats.add_many(evict_runs=1, evict_skipped=int(rep.skipped),
+                                     evict_blocks=rep.evicted_blocks, evict_bytes=rep.evicted_bytes,
+                                     evict_short=int(not rep.skipped and not rep.reached_target),
+                                     evict_ms=int((time.monotonic() - t0) * 1000))
+            if not rep.skipped and not rep.reached_target:
+                log.warning("pool %s stays over its budget: freed %d of %d bytes, %d block(s) within the "
+                            "%.0f s grace", root, rep.evicted_bytes, rep.target_bytes, rep.protected_blocks,
+                            self.grace_s)
+        self.last_reports = reports

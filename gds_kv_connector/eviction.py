@@ -1,0 +1,420 @@
+"""Keeping a pool root within its byte budget while other owners keep reading and writing it.
+
+Rules, and why:
+
+* One evictor per root at a time, chosen by a non-blocking lock that dies with its holder
+  (``flock``; the kernel and NFSv4 leases release it), so a crashed owner never blocks
+  eviction and a busy one never makes another owner's save path wait.
+* Least recently used first, where recency is the newest of publication (header ``created_ns``
+  or mtime) and the last access any owner logged (:mod:`.recency`).
+* Nothing accessed within ``grace_s`` is removed: loaders touch keys when they promise them,
+  which is what keeps a promised block on disk until it is pinned (an open descriptor then
+  keeps the bytes readable even after unlink).
+* Tails before heads: prefix matching stops at the first missing block, so a block whose child
+  is still present is only removed after that child, and a parent is as recent as its most
+  recent descendant.  Evicting a head first would orphan the whole chain behind it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from .pool import _HOST, _pid_alive, _tmp_is_stale
+from .pool_format import ZERO_KEY, FormatError
+from .pool_scan import (BlockFile, layout_dir, owners_dir, quarantine_dir, quarantined_at_ns,
+                        read_header, scan_pool)
+from .recency import RecencyIndex, fold_stale_logs
+
+log = logging.getLogger(__name__)
+
+LOCKS_DIR = "locks"
+LOCK_NAME = "evict.lock"
+EXCL_LOCK_STALE_S = 900.0  # an O_EXCL lock older than this is from a dead or hung evictor
+QUARANTINE_KEEP_S = 86_400.0
+LOG_FOLD_AGE_S = 3_600.0  # access logs idle this long are folded into the archive log
+OWNER_STATS_KEEP_S = 7 * 86_400.0
+OWNER_TMP_KEEP_S = 3_600.0
+_FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+#: header facts of one published file: path -> (inode, created_ns, parent key)
+HeaderCache = dict[str, tuple[int, int, bytes]]
+
+
+@dataclass
+class EvictionReport:
+    root: str
+    skipped: bool = False  # another owner holds the eviction lock
+    dry_run: bool = False
+    reason: str = ""  # what made this run remove blocks: quota, min_free, age; empty if nothing
+    scanned_blocks: int = 0
+    scanned_bytes: int = 0
+    free_bytes: int = -1  # of the root's filesystem at the start; -1 if unknown
+    target_bytes: int = 0  # bytes this run tried to free
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    protected_blocks: int = 0  # blocks inside the grace window (never evicted)
+    failed: int = 0  # unlink refused (permissions) or the file was replaced meanwhile
+    unreadable_headers: int = 0
+    tmp_removed: int = 0
+    quarantine_removed: int = 0
+    logs_folded: int = 0
+    duration_s: float = 0.0
+
+    @property
+    def reached_target(self) -> bool:
+        return self.evicted_bytes >= self.target_bytes
+
+    @property
+    def usage_after(self) -> int:
+        return self.scanned_bytes - self.evicted_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"reached_target": self.reached_target, "usage_after": self.usage_after}
+
+
+class EvictLock:
+    """Non-blocking per-root lock; ``flock`` where supported, else an O_EXCL file with a lease.
+
+    The O_EXCL fallback (filesystems without working locks) is broken when its holder is a dead
+    local process or older than :data:`EXCL_LOCK_STALE_S`; two breakers racing can both win,
+    which costs over-eviction at worst, never a corrupt pool.
+    """
+
+    def __init__(self, root: str, stale_s: float = EXCL_LOCK_STALE_S) -> None:
+        self.dir = os.path.join(layout_dir(root), LOCKS_DIR)
+        self.path = os.path.join(self.dir, LOCK_NAME)
+        self.excl_path = self.path + ".excl"
+        self.stale_s = stale_s
+        self._fd = -1
+        self._token = ""
+
+    def acquire(self) -> bool:
+        _mkdir_like_parent(self.dir)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, _file_mode(self.dir))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _FLOCK_UNSUPPORTED:
+                raise
+            return self._acquire_excl()
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = -1
+        if self._token:
+            if self._excl_holder().get("token") == self._token:
+                _unlink_quiet(self.excl_path)
+            self._token = ""
+
+    def __enter__(self) -> "EvictLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _acquire_excl(self) -> bool:
+        for _ in range(2):
+            token = secrets.token_hex(8)
+            try:
+                fd = os.open(self.excl_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                             _file_mode(self.dir))
+            except FileExistsError:
+                if not self._break_if_stale():
+                    return False
+                continue
+            try:
+                os.write(fd, json.dumps({"host": _HOST, "pid": os.getpid(), "time": time.time(),
+                                         "token": token}).encode())
+            finally:
+                os.close(fd)
+            self._token = token
+            return True
+        return False
+
+    def _excl_holder(self) -> dict:
+        try:
+            with open(self.excl_path, "rb") as fh:
+                data = json.loads(fh.read(4096))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _break_if_stale(self) -> bool:
+        holder = self._excl_holder()
+        try:
+            age = time.time() - os.stat(self.excl_path).st_mtime
+        except FileNotFoundError:
+            return True
+        dead_local = holder.get("host") == _HOST and isinstance(holder.get("pid"), int) \
+            and not _pid_alive(holder["pid"])
+        if not dead_local and age <= self.stale_s:
+            return False
+        broken = f"{self.excl_path}.broken-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.excl_path, broken)
+        except FileNotFoundError:
+            return True
+        _unlink_quiet(broken)
+        log.warning("broke a stale eviction lock held by %s", holder or "an unknown owner")
+        return True
+
+
+@dataclass
+class _Node:
+    block: BlockFile
+    recency: int  # ns; raised to the newest descendant's before planning
+    parent: tuple[str, bytes] | None
+    children: int = 0
+
+
+def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int, grace_s: float,
+          now: float | None = None, *, dry_run: bool = False, header_cache: HeaderCache | None = None,
+          recency: RecencyIndex | None = None) -> EvictionReport:
+    """Bring ``root`` to ``low_watermark * quota_bytes`` (and its filesystem to
+    ``min_free_bytes / low_watermark`` free) once it is over quota or below ``min_free_bytes``.
+
+    ``quota_bytes`` 0 means no quota.  ``header_cache`` and ``recency`` let a long-lived
+    caller avoid re-reading unchanged headers and whole access logs on every run.
+    """
+    def plan(report: EvictionReport, free: int) -> int:
+        usage, to_free, reasons = report.scanned_bytes, 0, []
+        if quota_bytes and usage > quota_bytes:
+            to_free = usage - int(low_watermark * quota_bytes)
+            reasons.append("quota")
+        if min_free_bytes and 0 <= free < min_free_bytes:
+            to_free = max(to_free, int(min_free_bytes / low_watermark) - free)
+            reasons.append("min_free")
+        report.reason = "+".join(reasons)
+        return to_free
+
+    return _run(root, now, dry_run, header_cache, recency, plan, int(grace_s * 1e9))
+
+
+def expire(root: str, max_age_s: float, now: float | None = None, *, dry_run: bool = False,
+           header_cache: HeaderCache | None = None, recency: RecencyIndex | None = None) -> EvictionReport:
+    """Remove every block neither published nor accessed within ``max_age_s``.
+
+    A parent is as recent as its newest descendant, so a chain expires from its tail and an
+    old head that still leads to a fresh block stays.
+    """
+    def plan(report: EvictionReport, free: int) -> int:
+        report.reason = "age"
+        return report.scanned_bytes
+
+    return _run(root, now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1)
+
+
+def _run(root: str, now: float | None, dry_run: bool, header_cache: HeaderCache | None,
+         recency: RecencyIndex | None, plan: Callable[[EvictionReport, int], int],
+         min_age_ns: int) -> EvictionReport:
+    """Lock, scan, remove what ``plan`` asks for (blocks at least ``min_age_ns`` old), tidy up."""
+    t0 = time.monotonic()
+    now = time.time() if now is None else now
+    report = EvictionReport(os.path.abspath(root), dry_run=dry_run)
+    if not os.path.isdir(layout_dir(root)):
+        return report
+    with EvictLock(root) as lock:
+        if not lock.acquire():
+            report.skipped = True
+            return report
+        scan = scan_pool(root)
+        report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
+        report.free_bytes = _free_bytes(root)
+        report.target_bytes = max(0, plan(report, report.free_bytes))
+        removed: set[str] = set()
+        if report.target_bytes:
+            nodes = _graph(scan.blocks, header_cache, report)
+            _apply_recency(nodes, (recency or RecencyIndex(root)).refresh())  # late: sees fresh touches
+            now_ns = int(now * 1e9)
+            report.protected_blocks = sum(1 for n in nodes.values() if now_ns - n.recency < min_age_ns)
+            removed = _peel(nodes, report, now_ns - min_age_ns, dry_run)
+        else:
+            report.reason = ""
+        if header_cache is not None:
+            for path in set(header_cache) - ({b.path for b in scan.blocks} - removed):
+                del header_cache[path]
+        if not dry_run:
+            report.tmp_removed = sum(1 for p in scan.tmp if _tmp_is_stale(os.path.basename(p), p, now)
+                                     and _unlink_quiet(p))
+            report.quarantine_removed = _expire_quarantine(root, now)
+            _tidy_owners(root, now)
+            report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
+                                                 LOG_FOLD_AGE_S, now)
+    report.duration_s = time.monotonic() - t0
+    if report.target_bytes:
+        log.info("pool %s: %s %d block(s), %d bytes (%s; target %d bytes, %d within the protected age)",
+                 report.root, "would evict" if dry_run else "evicted", report.evicted_blocks,
+                 report.evicted_bytes, report.reason, report.target_bytes, report.protected_blocks)
+    return report
+
+
+def _graph(blocks: list[BlockFile], cache: HeaderCache | None, report: EvictionReport) -> dict[tuple[str, bytes], _Node]:
+    """Nodes keyed by (fingerprint dir, key) with parent links; a garbage header has no parent."""
+    nodes: dict[tuple[str, bytes], _Node] = {}
+    for b in blocks:
+        hit = cache.get(b.path) if cache is not None else None
+        if hit is not None and hit[0] == b.ino:
+            created, parent = hit[1], hit[2]
+        else:
+            try:
+                header = read_header(b)
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatError):
+                report.unreadable_headers += 1
+                created, parent = 0, ZERO_KEY
+            else:
+                created, parent = header.created_ns, header.parent_key
+                if cache is not None:
+                    cache[b.path] = (b.ino, created, parent)
+        nodes[(b.fp, b.key)] = _Node(b, max(created, b.mtime_ns),
+                                     None if parent == ZERO_KEY else (b.fp, parent))
+    for n in nodes.values():
+        if n.parent is not None:
+            if n.parent in nodes:
+                nodes[n.parent].children += 1
+            else:
+                n.parent = None  # orphan tail: its head is gone already
+    return nodes
+
+
+def _apply_recency(nodes: dict[tuple[str, bytes], _Node], access: dict[bytes, int]) -> None:
+    """Fold logged accesses in, then raise every parent to its newest descendant (leaves up)."""
+    for n in nodes.values():
+        n.recency = max(n.recency, access.get(n.block.key, 0))
+    waiting = {k: n.children for k, n in nodes.items()}
+    ready = [n for n in nodes.values() if n.children == 0]
+    while ready:
+        n = ready.pop()
+        if n.parent is None:
+            continue
+        p = nodes[n.parent]
+        p.recency = max(p.recency, n.recency)
+        waiting[n.parent] -= 1
+        if waiting[n.parent] == 0:
+            ready.append(p)
+
+
+def _peel(nodes: dict[tuple[str, bytes], _Node], report: EvictionReport, newest_ns: int,
+          dry_run: bool) -> set[str]:
+    """Remove leaves oldest first until the target is met or the oldest leaf is newer than
+    ``newest_ns``; a parent becomes a leaf once all its children are gone."""
+    left = {k: n.children for k, n in nodes.items()}
+    heap = [(n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
+    heapq.heapify(heap)
+    removed: set[str] = set()
+    while heap and report.evicted_bytes < report.target_bytes:
+        recency, path, k = heapq.heappop(heap)
+        if recency > newest_ns:
+            break  # every remaining leaf is at least as recent, and parents more so
+        n = nodes[k]
+        if not (dry_run or _unlink_if_same(n.block)):
+            report.failed += 1
+            continue
+        removed.add(path)
+        report.evicted_blocks += 1
+        report.evicted_bytes += n.block.size
+        if n.parent is not None:
+            left[n.parent] -= 1
+            if left[n.parent] == 0:
+                p = nodes[n.parent]
+                heapq.heappush(heap, (p.recency, p.block.path, n.parent))
+    return removed
+
+
+def _unlink_if_same(block: BlockFile) -> bool:
+    """Unlink the scanned file, not one republished under its name since the scan."""
+    try:
+        if os.stat(block.path, follow_symlinks=False).st_ino != block.ino:
+            return False
+        os.unlink(block.path)
+    except FileNotFoundError:
+        return True  # another evictor (lock fallback race) or an operator got there first
+    except OSError as exc:
+        log.warning("cannot evict %s: %s", block.path, exc)
+        return False
+    return True
+
+
+def _expire_quarantine(root: str, now: float) -> int:
+    removed = 0
+    qdir = quarantine_dir(root)
+    for name in _listdir(qdir):
+        path = os.path.join(qdir, name)
+        try:
+            if now - quarantined_at_ns(path) / 1e9 > QUARANTINE_KEEP_S and _unlink_quiet(path):
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _tidy_owners(root: str, now: float) -> None:
+    """Drop stats files of owners gone for a week and temporary files of crashed writers."""
+    d = owners_dir(root)
+    for name in _listdir(d):
+        keep = OWNER_STATS_KEEP_S if name.endswith(".stats.json") else OWNER_TMP_KEEP_S if ".tmp-" in name else 0
+        if not keep:
+            continue
+        path = os.path.join(d, name)
+        try:
+            if now - os.stat(path, follow_symlinks=False).st_mtime > keep:
+                _unlink_quiet(path)
+        except FileNotFoundError:
+            pass
+
+
+def _free_bytes(root: str) -> int:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def _mkdir_like_parent(d: str) -> None:
+    """Create ``d`` with its parent's mode so a group-shared pool stays group-shared."""
+    try:
+        mode = os.stat(os.path.dirname(d)).st_mode & 0o7777
+        os.mkdir(d, mode)
+        os.chmod(d, mode)
+    except FileExistsError:
+        pass
+
+
+def _file_mode(d: str) -> int:
+    return os.stat(d).st_mode & 0o666
+
+
+def _unlink_quiet(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
+        return False
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except FileNotFoundError:
+        return []

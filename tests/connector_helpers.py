@@ -1,0 +1,29 @@
+"""Build a connector pair and a reference executor for tests."""
+
+from __future__ import annotations
+
+import random
+
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
+
+SHAPE = ModelShape(num_layers=2, kv_factor=2, block_elems=1024, tokens_per_block=16)
+
+
+def make_executor(cfg: ExecutorConfig | None = None, **kw) -> ReferenceExecutor:
+    cfg = cfg or ExecutorConfig(shape=SHAPE, num_blocks=256, **kw)
+    llm_args = fake_llm_args(cfg.shape.tokens_per_block)
+    return ReferenceExecutor(GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args), cfg)
+
+
+def rand_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32000) for _ in range(n)]
+
+
+def serve(ex: ReferenceExecutor, prompts: list[list[int]], max_new_tokens: int = 8, first_id: int = 0,
+          salt: str | None = None, device_hit_blocks: int = 0):
+    for i, p in enumerate(prompts):
+        ex.submit(SimRequest(first_id + i, p, max_new_tokens=max_new_tokens, cache_salt=salt,
+                             device_hit_blocks=device_hit_blocks))
+    return ex.run_until_done()

@@ -1,0 +1,45 @@
+from gds_kv_connector.keys import (PoolGeometry, base_fingerprint, block_keys, chain_seed, extend_chain,
+                                   shard_fingerprint, tokens_to_bytes)
+
+GEOM = PoolGeometry("m", "bfloat16", 32, 2, 1 << 20, 32)
+FP = base_fingerprint(GEOM)
+
+
+def test_same_prefix_same_keys_and_stable_bytes():
+    toks = list(range(100))
+    a, b = block_keys(FP, None, toks, 32), block_keys(FP, None, list(toks), 32)
+    assert a == b and len(a) == 3 and all(len(k) == 32 for k in a)
+    assert a[0] == block_keys(FP, None, toks[:32], 32)[0]  # block 0's key ignores later tokens
+
+
+def test_prefix_chaining_separates_equal_blocks_after_different_prefixes():
+    x, y = list(range(64)), [7] * 32 + list(range(32, 64))
+    kx, ky = block_keys(FP, None, x, 32), block_keys(FP, None, y, 32)
+    assert kx[0] != ky[0] and kx[1] != ky[1]  # block 1 has equal tokens but a different prefix
+
+
+def test_salt_separates_and_none_differs_from_empty():
+    toks = list(range(64))
+    keys = {tuple(block_keys(FP, s, toks, 32)) for s in (None, "", "a", "b")}
+    assert len(keys) == 4
+
+
+def test_fingerprint_covers_geometry_but_not_adp_rank():
+    variants = [PoolGeometry("m2", "bfloat16", 32, 2, 1 << 20, 32), PoolGeometry("m", "float8", 32, 2, 1 << 20, 32),
+                PoolGeometry("m", "bfloat16", 16, 2, 1 << 20, 32), PoolGeometry("m", "bfloat16", 32, 1, 1 << 20, 32),
+                PoolGeometry("m", "bfloat16", 32, 2, 1 << 19, 32), PoolGeometry("m", "bfloat16", 32, 2, 1 << 20, 16),
+                PoolGeometry("m", "bfloat16", 32, 2, 1 << 20, 32, tp_size=2)]
+    fps = {base_fingerprint(g) for g in variants} | {FP}
+    assert len(fps) == len(variants) + 1
+    assert shard_fingerprint(GEOM, 0) == FP  # unsharded (incl. every ADP owner): one shared directory
+    tp2 = variants[-1]
+    assert shard_fingerprint(tp2, 0) != shard_fingerprint(tp2, 1)
+
+
+def test_incremental_chain_equals_full():
+    toks = list(range(32 * 5))
+    full = block_keys(FP, "s", toks, 32)
+    tb = tokens_to_bytes(toks)
+    first = extend_chain(chain_seed(FP, "s"), tb, 32, 0, 2)
+    rest = extend_chain(first[-1], tb, 32, 2, 3)
+    assert first + rest == full

@@ -1,0 +1,49 @@
+import json
+
+import pytest
+
+from gds_kv_connector.settings import SPECS, Settings, SettingsError, parse_size
+
+
+def test_defaults_and_env(tmp_path):
+    s = Settings.load_from(env={"TLLM_GDS_KV_ROOT": str(tmp_path), "TLLM_GDS_KV_ASYNC_LOAD_BYTES": "2MiB",
+                                "TLLM_GDS_KV_FSYNC": "yes"})
+    assert s.async_load_bytes == 2 << 20 and s.fsync is True and s.io_threads == 16 and s.roots == (str(tmp_path),)
+
+
+def test_missing_root_is_one_clear_line():
+    with pytest.raises(SettingsError, match="TLLM_GDS_KV_ROOT is not set"):
+        Settings.load_from(env={})
+
+
+@pytest.mark.parametrize("name,value,msg", [("IO_THREADS", "0", "1..256"), ("DEADLINE_S", "-1", "> 0"),
+                                            ("ASYNC_LOAD_BYTES", "lots", "byte size"), ("ENGINE", "gpu", "one of"),
+                                            ("LOW_WATERMARK", "1.5", "between"), ("FSYNC", "maybe", "boolean"),
+                                            ("ADMISSION", "seen:0", "seen:N")])
+def test_bad_values_fail_with_the_variable_named(name, value, msg):
+    with pytest.raises(SettingsError, match=f"TLLM_GDS_KV_{name}.*{msg}|{msg}"):
+        Settings.load_from(env={"TLLM_GDS_KV_ROOT": "/x", f"TLLM_GDS_KV_{name}": value})
+
+
+def test_unknown_variable_is_rejected():
+    with pytest.raises(SettingsError, match="TLLM_GDS_KV_ROTO"):
+        Settings.load_from(env={"TLLM_GDS_KV_ROOT": "/x", "TLLM_GDS_KV_ROTO": "/y"})
+
+
+def test_config_file_and_env_precedence(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"root": "/from-file", "io_threads": 8, "fsync": True}))
+    s = Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(cfg), "TLLM_GDS_KV_IO_THREADS": "4"})
+    assert s.root == "/from-file" and s.io_threads == 4 and s.fsync is True
+    toml = tmp_path / "c.toml"
+    toml.write_text('root = "/t"\nquota_bytes = "1GiB"\n')
+    assert Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(toml)}).quota_bytes == 1 << 30
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"root": "/x", "nope": 1}))
+    with pytest.raises(SettingsError, match="nope"):
+        Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(bad)})
+
+
+def test_every_setting_is_documented():
+    assert all(s.doc and s.env.startswith("TLLM_GDS_KV_") for s in SPECS)
+    assert parse_size("256KiB") == 262144 and parse_size("4M") == 4 << 20
