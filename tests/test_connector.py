@@ -1,0 +1,237 @@
+"""Connector behaviour through the reference executor (contract sections 4 and 5)."""
+
+import pickle
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector_helpers import SHAPE, make_executor, rand_tokens, serve
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.fileops import FileOps
+from gds_kv_connector.kv_layout import LayoutError
+from gds_kv_connector.metadata import GdsKvMetadata
+from gds_kv_connector.reference import ExecutorConfig, InvariantViolation, ReferenceExecutor, SimRequest, fake_llm_args
+
+SYSTEM = rand_tokens(200, 1)
+PROMPTS = [SYSTEM + rand_tokens(30 + i, 100 + i) for i in range(4)]
+
+
+def _restart_hits(**cfg_kw):
+    ex1 = make_executor(**cfg_kw)
+    serve(ex1, PROMPTS)
+    ex1.worker.shutdown()
+    ex2 = make_executor(**cfg_kw)
+    st = serve(ex2, PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        assert ex2.output_tokens(i) == ex1.output_tokens(i)
+    ex2.worker.shutdown()
+    return ex1, ex2, st
+
+
+def test_restart_loads_every_full_prompt_block(pool_env):
+    _, ex2, st = _restart_hits()
+    tpb = SHAPE.tokens_per_block
+    assert st.loaded_tokens == sum((len(p) - 1) // tpb * tpb for p in PROMPTS)
+    assert st.blocks_verified >= st.loaded_tokens // tpb
+    assert ex2.worker.stats.snapshot().get("load_failures", 0) == 0
+
+
+def test_chunked_prefill_and_overlap(pool_env):
+    ex1, _, st = _restart_hits(chunk_size=20, overlap=True)
+    assert st.loaded_tokens > 0
+    # generated tokens become full blocks and are saved too (prompts + 40 generated tokens)
+    assert ex1.worker.stats.snapshot()["blocks_saved"] >= len(PROMPTS[0]) // SHAPE.tokens_per_block
+
+
+def test_generated_blocks_are_saved_and_reused(pool_env):
+    ex1 = make_executor()
+    serve(ex1, [PROMPTS[0]], max_new_tokens=40)
+    ex1.worker.shutdown()
+    follow_up = PROMPTS[0] + ex1.output_tokens(0) + rand_tokens(5, 9)
+    ex2 = make_executor()
+    st = serve(ex2, [follow_up], first_id=50)
+    tpb = SHAPE.tokens_per_block
+    assert st.loaded_tokens >= (len(PROMPTS[0]) + 40 - tpb) // tpb * tpb  # prompt + generated blocks hit
+
+
+def test_matching_starts_after_the_device_hit(pool_env):
+    ex1 = make_executor()
+    serve(ex1, PROMPTS[:1])
+    ex1.worker.shutdown()
+    ex2 = make_executor()
+    st = serve(ex2, PROMPTS[:1], first_id=10, device_hit_blocks=3)
+    tpb = SHAPE.tokens_per_block
+    assert st.device_hit_tokens == 3 * tpb
+    assert st.loaded_tokens == (len(PROMPTS[0]) - 1) // tpb * tpb - 3 * tpb
+
+
+def test_cache_salt_separates(pool_env):
+    ex1 = make_executor()
+    serve(ex1, PROMPTS[:1], salt="tenant-a")
+    ex1.worker.shutdown()
+    ex2 = make_executor()
+    assert serve(ex2, PROMPTS[:1], first_id=10, salt="tenant-b").loaded_tokens == 0
+    ex3 = make_executor()
+    assert serve(ex3, PROMPTS[:1], first_id=20, salt="tenant-a").loaded_tokens > 0
+
+
+@pytest.mark.parametrize("threshold,expect_async", [("0", True), ("1GiB", False)])
+def test_async_threshold(pool_env, monkeypatch, threshold, expect_async):
+    serve(make_executor(), PROMPTS[:2])
+    monkeypatch.setenv("TLLM_GDS_KV_ASYNC_LOAD_BYTES", threshold)
+    st = serve(make_executor(), PROMPTS[:2], first_id=10)
+    assert (st.async_loads, st.sync_loads) == ((2, 0) if expect_async else (0, 2))
+
+
+class SlowWrites(FileOps):
+    """Holds every payload write until released, so saves are observably in flight."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def pwrite(self, fd, data, offset):
+        if offset > 0:
+            self.release.wait(timeout=30)
+        return super().pwrite(fd, data, offset)
+
+
+def test_request_finishing_with_saves_in_flight_keeps_blocks_until_reported(pool_env):
+    ops = SlowWrites()
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    ex = ReferenceExecutor(GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args, fileops=ops),
+                           ExecutorConfig(shape=SHAPE, num_blocks=64))
+    ex.submit(SimRequest(1, PROMPTS[0], max_new_tokens=2))
+    for _ in range(50):
+        ex.step()
+        if ex.reqs[1].state.value == "saving":
+            break
+    assert ex.reqs[1].state.value == "saving" and ex.reqs[1].block_ids  # blocks retained
+    t0 = time.monotonic()
+    for _ in range(20):  # idle iterations: only get_finished runs, the save must not be reported
+        ex.step()
+    assert ex.reqs[1].state.value == "saving" and ex.stats.idle_iterations >= 20
+    ops.release.set()
+    ex.run_until_done()
+    assert ex.reqs[1].state.value == "done" and len(ex.free) == 64
+    assert ex.worker.stats.snapshot()["blocks_saved"] == len(PROMPTS[0]) // SHAPE.tokens_per_block
+    assert time.monotonic() - t0 < 30
+
+
+class _BrokenScheduler(GdsKvConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, True
+
+
+class _DoubleReportWorker(GdsKvConnectorWorker):
+    def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
+        done = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        self._seen = getattr(self, "_seen", [])
+        self._seen += done[0]
+        return list(self._seen), done[1]
+
+
+class _GreedyScheduler(GdsKvConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return len(request.get_tokens(0)), False
+
+
+@pytest.mark.parametrize("sched_cls,worker_cls,match", [
+    (_BrokenScheduler, GdsKvConnectorWorker, "load_kv_async must be False"),
+    (GdsKvConnectorScheduler, _DoubleReportWorker, "not pending"),
+    (_GreedyScheduler, GdsKvConnectorWorker, "leaves no prompt token"),
+])
+def test_executor_invariants_catch_broken_connectors(pool_env, sched_cls, worker_cls, match):
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    ex = ReferenceExecutor(sched_cls(llm_args), worker_cls(llm_args), ExecutorConfig(shape=SHAPE, num_blocks=128))
+    with pytest.raises(InvariantViolation, match=match):
+        serve(ex, PROMPTS[:2])
+
+
+def test_executor_catches_wrong_bytes_when_verification_is_off(pool_env, monkeypatch):
+    serve(make_executor(), PROMPTS[:1])
+    monkeypatch.setenv("TLLM_GDS_KV_VERIFY", "0")
+    ex = make_executor()
+    for path in (pool_env / "gdskv-v1").rglob("*.blk"):  # corrupt payloads, leave headers valid
+        with open(path, "r+b") as fh:
+            fh.seek(4096 + 100)
+            fh.write(b"\xde\xad")
+    with pytest.raises(InvariantViolation, match="does not hold the KV of its prefix"):
+        serve(ex, PROMPTS[:1], first_id=5)
+
+
+def test_corrupted_block_is_detected_by_checksum_and_quarantined(pool_env, monkeypatch):
+    serve(make_executor(), PROMPTS[:1])
+    files = sorted((pool_env / "gdskv-v1").rglob("*.blk"))
+    with open(files[0], "r+b") as fh:
+        fh.seek(4096 + 7)
+        b = fh.read(1)
+        fh.seek(4096 + 7)
+        fh.write(bytes([b[0] ^ 0x01]))
+    ex = make_executor()
+    with pytest.raises(RuntimeError, match="checksum mismatch"):
+        serve(ex, PROMPTS[:1], first_id=5)
+    assert not files[0].exists() and list((pool_env / "gdskv-v1" / "quarantine").iterdir())
+
+
+def test_empty_metadata_and_dummies(pool_env):
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    s, w = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
+    w.register_kv_caches(torch.zeros((8, 2, 2, 1024), dtype=torch.bfloat16))
+    s.wait_for_initialization()
+    dummy = SimpleNamespace(request_id=1, is_dummy_request=True, get_tokens=lambda b: list(range(100)))
+    assert s.get_num_new_matched_tokens(dummy, 0) == (0, False)
+    assert s.request_finished(dummy, [1, 2]) is False
+    for meta in (GdsKvMetadata(), None):
+        w.bind_connector_meta(meta)
+        w.start_load_kv(None)
+        for layer in range(2):
+            w.wait_for_layer_load(layer, None)
+            w.save_kv_layer(layer, None)
+        w.wait_for_save(None)
+        assert w.get_finished([], []) == ([], [])
+    empty = s.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    assert not empty and len(pickle.dumps(empty)) < 200
+
+
+def test_bad_page_entries_are_skipped(pool_env):
+    ex1 = make_executor()
+    serve(ex1, PROMPTS[:1])
+    ex1.worker.shutdown()
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    s, w = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
+    w.register_kv_caches(torch.zeros((64, 2, 2, 1024), dtype=torch.bfloat16))
+    req = SimpleNamespace(request_id=3, get_tokens=lambda b: list(PROMPTS[0]))
+    n, _ = s.get_num_new_matched_tokens(req, 0)
+    blocks = list(range(n // SHAPE.tokens_per_block + 1))
+    blocks[1] = -1
+    s.update_state_after_alloc(req, blocks)
+    meta = s.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    (op,) = meta.loads
+    assert -1 not in op.block_ids and len(op.block_ids) == len(blocks) - 2
+
+
+class _Layout:
+    def __init__(self, tensor, groups=1, regions=1):
+        self._t = tensor
+        region = SimpleNamespace()
+        self.groups = tuple(SimpleNamespace(layer_group_id=g, regions=(region,) * regions, replicated_regions=())
+                            for g in range(groups))
+
+    def as_single_pool_tensor(self):
+        return self._t
+
+
+def test_register_kv_cache_layout(pool_env):
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    w = GdsKvConnectorWorker(llm_args)
+    w.register_kv_cache_layout(_Layout(torch.zeros((8, 2, 2, 1024), dtype=torch.uint8)))
+    assert w.kv.block_bytes == 2 * 2 * 1024 and w.kv.dtype_name == "uint8"
+    for bad, match in ((_Layout(None, groups=2), "2 layer groups"), (_Layout(None, regions=2), "2 regions"),
+                       (_Layout(None), "as_single_pool_tensor")):
+        with pytest.raises(LayoutError, match=match):
+            GdsKvConnectorWorker(llm_args).register_kv_cache_layout(bad)
+    with pytest.raises(LayoutError, match="contiguous"):
+        GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((2, 8, 4, 64)).transpose(0, 1))
