@@ -44,6 +44,48 @@ def cmd_settings(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(args: argparse.Namespace, result: dict, text: str) -> int:
+    print(json.dumps(result, indent=1, default=str) if args.json else text)
+    return int(result.get("exit_code", 0))
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor_report, format_doctor
+    report = doctor_report(args.root or os.environ.get(ENV_PREFIX + "ROOT") or None)
+    return _emit(args, report, format_doctor(report))
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .ops_commands import format_stats, stats
+    result = stats(_root(args))
+    return _emit(args, result, format_stats(result))
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .ops_commands import format_gc, gc
+    s = Settings.load_from(require_root=False)
+    quota = args.quota if args.quota is not None else s.quota_bytes
+    result = gc(_root(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes)
+    return _emit(args, result, format_gc(result))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .ops_commands import format_verify, verify
+    result = verify(_root(args), workers=args.workers, progress=not args.json, quarantine=not args.no_quarantine)
+    return _emit(args, result, format_verify(result))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling", "bench.py")
+    if not os.path.exists(path):
+        raise SettingsError("gds-kv bench runs from a source checkout (profiling/bench.py not found)")
+    spec = importlib.util.spec_from_file_location("gdskv_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gds-kv", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -60,6 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--check", action="store_true")
     s.set_defaults(fn=cmd_settings)
+    for name, fn, help_ in (("doctor", cmd_doctor, "what this machine supports (GDS, cuFile, O_DIRECT, filesystem)"),
+                            ("stats", cmd_stats, "blocks, bytes, per-fingerprint breakdown, owners' counters"),
+                            ("gc", cmd_gc, "evict to the quota now, or expire blocks by age"),
+                            ("verify", cmd_verify, "re-check every header and checksum; quarantine bad files")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--root", help=f"pool root (default: ${ENV_PREFIX}ROOT)")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.set_defaults(fn=fn)
+        if name == "gc":
+            from .settings import parse_size
+            c.add_argument("--quota", type=parse_size, help=f"byte budget (default: ${ENV_PREFIX}QUOTA_BYTES)")
+            c.add_argument("--max-age-s", type=float, default=0.0, help="also remove blocks older than this")
+        if name == "verify":
+            c.add_argument("--workers", type=int, default=8)
+            c.add_argument("--no-quarantine", action="store_true", help="report bad files but leave them")
+    b = sub.add_parser("bench", help="bandwidth and executor-cost benchmark (profiling/bench.py; --help there)",
+                       add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
     return p
 
 
@@ -67,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except SettingsError as exc:
+    except (SettingsError, ValueError) as exc:  # includes ops_commands.UsageError
         print(f"gds-kv: {exc}", file=sys.stderr)
         return 2
 
