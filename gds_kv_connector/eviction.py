@@ -45,8 +45,8 @@ OWNER_STATS_KEEP_S = 7 * 86_400.0
 OWNER_TMP_KEEP_S = 3_600.0
 _FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
-#: header facts of one published file: path -> (inode, created_ns, parent key)
-HeaderCache = dict[str, tuple[int, int, bytes]]
+#: header facts of one published file: path -> ((inode, ctime_ns), created_ns, parent key)
+HeaderCache = dict[str, tuple[tuple[int, int], int, bytes]]
 
 
 @dataclass
@@ -181,6 +181,8 @@ class _Node:
     recency: int  # ns; raised to the newest descendant's before planning
     parent: tuple[str, bytes] | None
     children: int = 0
+    orphan: bool = False  # its parent is gone
+    dangling: bool = False  # it or an ancestor is an orphan: no lookup can reach it any more
 
 
 def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int, grace_s: float,
@@ -269,7 +271,7 @@ def _graph(blocks: list[BlockFile], cache: HeaderCache | None, report: EvictionR
     nodes: dict[tuple[str, bytes], _Node] = {}
     for b in blocks:
         hit = cache.get(b.path) if cache is not None else None
-        if hit is not None and hit[0] == b.ino:
+        if hit is not None and hit[0] == (b.ino, b.ctime_ns):
             created, parent = hit[1], hit[2]
         else:
             try:
@@ -282,7 +284,7 @@ def _graph(blocks: list[BlockFile], cache: HeaderCache | None, report: EvictionR
             else:
                 created, parent = header.created_ns, header.parent_key
                 if cache is not None:
-                    cache[b.path] = (b.ino, created, parent)
+                    cache[b.path] = ((b.ino, b.ctime_ns), created, parent)
         nodes[(b.fp, b.key)] = _Node(b, max(created, b.mtime_ns),
                                      None if parent == ZERO_KEY else (b.fp, parent))
     for n in nodes.values():
@@ -290,8 +292,31 @@ def _graph(blocks: list[BlockFile], cache: HeaderCache | None, report: EvictionR
             if n.parent in nodes:
                 nodes[n.parent].children += 1
             else:
-                n.parent = None  # orphan tail: its head is gone already
+                n.parent, n.orphan = None, True
+    _mark_dangling(nodes)
     return nodes
+
+
+def _mark_dangling(nodes: dict[tuple[str, bytes], _Node]) -> None:
+    """Flag blocks cut off from their chain's head: a lookup stops at the first missing block,
+    so they are dead weight until someone saves the missing prefix again."""
+    known: dict[tuple[str, bytes], bool] = {}
+    for start in nodes:
+        walk: list[tuple[str, bytes]] = []
+        cur = start
+        while cur not in known:
+            n = nodes[cur]
+            if n.parent is None:
+                known[cur] = n.orphan
+            elif cur in walk:
+                known[cur] = True  # a cycle only garbage headers can make
+            else:
+                walk.append(cur)
+                cur = n.parent
+        for k in walk:
+            known[k] = known[cur]
+    for k, n in nodes.items():
+        n.dangling = known[k]
 
 
 def _apply_recency(nodes: dict[tuple[str, bytes], _Node], access: dict[bytes, int]) -> None:
@@ -313,16 +338,16 @@ def _apply_recency(nodes: dict[tuple[str, bytes], _Node], access: dict[bytes, in
 
 def _peel(nodes: dict[tuple[str, bytes], _Node], report: EvictionReport, newest_ns: int,
           dry_run: bool) -> set[str]:
-    """Remove leaves oldest first until the target is met or the oldest leaf is newer than
-    ``newest_ns``; a parent becomes a leaf once all its children are gone."""
+    """Remove leaves, dangling ones first, then oldest first, until the target is met; a parent
+    becomes a leaf once all its children are gone, and nothing newer than ``newest_ns`` goes."""
     left = {k: n.children for k, n in nodes.items()}
-    heap = [(n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
+    heap = [(not n.dangling, n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
     heapq.heapify(heap)
     removed: set[str] = set()
     while heap and report.evicted_bytes < report.target_bytes:
-        recency, path, k = heapq.heappop(heap)
+        _, recency, path, k = heapq.heappop(heap)
         if recency > newest_ns:
-            break  # every remaining leaf is at least as recent, and parents more so
+            continue  # protected, and so its ancestors stay: they never become leaves
         n = nodes[k]
         if not (dry_run or _unlink_if_same(n.block)):
             report.failed += 1
@@ -334,14 +359,14 @@ def _peel(nodes: dict[tuple[str, bytes], _Node], report: EvictionReport, newest_
             left[n.parent] -= 1
             if left[n.parent] == 0:
                 p = nodes[n.parent]
-                heapq.heappush(heap, (p.recency, p.block.path, n.parent))
+                heapq.heappush(heap, (not p.dangling, p.recency, p.block.path, n.parent))
     return removed
 
 
 def _unlink_if_same(block: BlockFile) -> bool:
     """Unlink the scanned file, not one republished under its name since the scan."""
     try:
-        if os.stat(block.path, follow_symlinks=False).st_ino != block.ino:
+        if not block.same_file(os.stat(block.path, follow_symlinks=False)):
             return False
         os.unlink(block.path)
     except FileNotFoundError:

@@ -26,12 +26,13 @@ class PeerInfo:
 
 
 _lock = threading.Lock()
-_peers: dict[int, PeerInfo] = {}
+# id(llm_args) -> (llm_args, info); holding llm_args keeps its id from being reused by another object
+_peers: dict[int, tuple[Any, PeerInfo]] = {}
 
 
 def register(llm_args: Any, info: PeerInfo) -> None:
     with _lock:
-        _peers[id(llm_args)] = info
+        _peers[id(llm_args)] = (llm_args, info)
 
 
 def unregister(llm_args: Any) -> None:
@@ -40,7 +41,9 @@ def unregister(llm_args: Any) -> None:
 
 
 def lookup(llm_args: Any) -> PeerInfo | None:
+    """The worker registered with this very ``llm_args``, else the process's only worker."""
     with _lock:
-        if id(llm_args) in _peers:
-            return _peers[id(llm_args)]
-        return next(iter(_peers.values())) if len(_peers) == 1 else None
+        entry = _peers.get(id(llm_args))
+        if entry is not None and entry[0] is llm_args:
+            return entry[1]
+        return next(iter(_peers.values()))[1] if len(_peers) == 1 else None

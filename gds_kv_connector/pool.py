@@ -92,6 +92,7 @@ class BlockPool:
     # -- lookup -----------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         """True if a published file of the right size exists (trusted for index_ttl_s)."""
+        _check_key(key)
         now = time.monotonic()
         expires = self._index.get(key)
         if expires is not None and expires > now:
@@ -332,6 +333,7 @@ class BlockPool:
             parent = os.path.dirname(d)
             if depth > 8 or parent == d:
                 raise
+            self._made_dirs.discard(parent)  # cached, but removed since
             self._makedirs(parent, depth + 1)
             return self._makedirs(d, depth + 1)
         if os.path.islink(d) or not os.path.isdir(d):

@@ -31,6 +31,11 @@ class BlockFile:
     size: int
     ino: int
     mtime_ns: int
+    ctime_ns: int
+
+    def same_file(self, st: os.stat_result) -> bool:
+        """True if ``st`` is still the file scanned: inode numbers are reused at once, ctime is not."""
+        return st.st_ino == self.ino and st.st_ctime_ns == self.ctime_ns
 
 
 @dataclass
@@ -98,7 +103,8 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
     if not stat.S_ISREG(st.st_mode):
         out.foreign += 1
         return
-    out.blocks.append(BlockFile(fp, bytes.fromhex(stem), entry.path, st.st_size, st.st_ino, st.st_mtime_ns))
+    out.blocks.append(BlockFile(fp, bytes.fromhex(stem), entry.path, st.st_size, st.st_ino, st.st_mtime_ns,
+                                st.st_ctime_ns))
 
 
 def read_header(block: BlockFile) -> BlockHeader:

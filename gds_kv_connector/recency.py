@@ -14,6 +14,7 @@ the flush interval must stay far below the eviction grace.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
@@ -36,6 +37,9 @@ MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
 MAX_PENDING_BATCHES = 1 << 16  # touches kept while the filesystem does not accept writes
 _EPOCH_2020_NS = 1_577_836_800 * 10**9
 _FUTURE_SLACK_NS = 86_400 * 10**9
+_OPEN_LOCK = threading.RLock()  # for_process holds it while __init__ takes it again
+_OPEN_PATHS: set[str] = set()
+_SHARED: dict[tuple[str, ...], "RecencyLog"] = {}
 
 
 def default_owner_id() -> str:
@@ -58,9 +62,15 @@ class RecencyLog:
             raise ValueError("RecencyLog needs at least one pool root")
         self.owner_id = owner_id or default_owner_id()
         self.max_log_bytes = max_log_bytes
-        self.dropped = 0
+        self.dropped = 0  # touches lost to a full backlog or a failed write
         self._pending: deque[tuple[int, Sequence[bytes]]] = deque(maxlen=MAX_PENDING_BATCHES)
         self._logs = [_OwnerLog(os.path.join(owners_dir(r), self.owner_id + ACCESS_SUFFIX)) for r in self.roots]
+        with _OPEN_LOCK:
+            clash = [lg.path for lg in self._logs if lg.path in _OPEN_PATHS]
+            if clash:
+                raise ValueError(f"access log {clash[0]} is already open in this process; share one "
+                                 "RecencyLog (RecencyLog.for_process) instead of opening it twice")
+            _OPEN_PATHS.update(lg.path for lg in self._logs)
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -69,6 +79,21 @@ class RecencyLog:
                                             name="gdskv-recency", daemon=True)
             self._thread.start()
 
+    @classmethod
+    def for_process(cls, roots: str | Sequence[str]) -> "RecencyLog":
+        """The one log of this process for ``roots``, created on first use and flushed at exit.
+
+        The scheduler and the worker of one rank share a process; one writer per file is what
+        keeps the log's records aligned, so both must use this instead of constructing their own.
+        """
+        key = (roots,) if isinstance(roots, str) else tuple(roots)
+        with _OPEN_LOCK:
+            shared = _SHARED.get(key)
+            if shared is None:
+                shared = _SHARED[key] = cls(key)
+                atexit.register(shared.flush)
+            return shared
+
     def touch(self, keys: Sequence[bytes], now_ns: int | None = None) -> None:
         """Record an access to ``keys``; the sequence is kept as is, so do not mutate it later.
 
@@ -76,6 +101,8 @@ class RecencyLog:
         enough the oldest batches are dropped rather than letting memory grow.
         """
         if keys:
+            if len(self._pending) == MAX_PENDING_BATCHES:
+                self.dropped += len(self._pending[0][1])
             self._pending.append((now_ns or time.time_ns(), keys))
 
     def flush(self) -> int:
@@ -113,6 +140,10 @@ class RecencyLog:
         self.flush()
         for owner_log in self._logs:
             owner_log.close()
+        with _OPEN_LOCK:
+            _OPEN_PATHS.difference_update(lg.path for lg in self._logs)
+            for k in [k for k, v in _SHARED.items() if v is self]:
+                del _SHARED[k]
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

@@ -55,12 +55,13 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         shards = range(geom.tp_size)
         fingerprints = tuple(shard_fingerprint(geom, r) for r in shards)
         my_fp = fingerprints[mpi_rank() % geom.tp_size] if cfg.sharded_attention else fingerprints[0]
-        engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops)
         self.pool = BlockPool(self.settings.roots, my_fp, kv.block_bytes, cfg.tokens_per_block,
                               share_group=self.settings.share_group, fsync=self.settings.fsync,
                               index_ttl_s=self.settings.index_ttl_s, geometry_note=geom.describe(),
                               ops=self._fileops)
         self.pool.cleanup_stale_tmp()
+        engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
+                             probe_dir=self.pool.fp_dirs[0])
         self.kv = kv
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,

@@ -127,10 +127,8 @@ class _BrokenScheduler(GdsKvConnectorScheduler):
 
 class _DoubleReportWorker(GdsKvConnectorWorker):
     def get_finished(self, finished_gen_req_ids, started_loading_req_ids):
-        done = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
-        self._seen = getattr(self, "_seen", [])
-        self._seen += done[0]
-        return list(self._seen), done[1]
+        saving, loading = super().get_finished(finished_gen_req_ids, started_loading_req_ids)
+        return saving + saving, loading  # every finished id reported twice
 
 
 class _GreedyScheduler(GdsKvConnectorScheduler):

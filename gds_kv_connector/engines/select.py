@@ -8,8 +8,13 @@ from ..fileops import FileOps
 from .base import IoEngine
 
 
-def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps | None = None) -> IoEngine:
-    """``kind`` is auto, posix or kvikio; auto picks kvikio for a CUDA pool and posix otherwise."""
+def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps | None = None,
+                probe_dir: str | None = None) -> IoEngine:
+    """``kind`` is auto, posix or kvikio; auto picks kvikio for a CUDA pool and posix otherwise.
+
+    ``probe_dir`` (the pool root) is where the kvikio engine checks at start-up that cuFile accepts
+    files, so a fallback and its reason are known before the first transfer.
+    """
     if kind == "auto":
         kind = "kvikio" if device.type == "cuda" else "posix"
     if kind == "posix":
@@ -21,5 +26,5 @@ def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps |
         if device.type != "cuda":
             raise ValueError(f"TLLM_GDS_KV_ENGINE=kvikio needs a CUDA KV pool, but it is on {device}")
         from .kvikio_engine import KvikioEngine
-        return KvikioEngine(io_threads=io_threads, device=device)
+        return KvikioEngine(io_threads=io_threads, device=device, probe_dir=probe_dir)
     raise ValueError(f"unknown engine {kind!r}")

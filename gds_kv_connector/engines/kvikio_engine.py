@@ -1,0 +1,271 @@
+"""KvikIO engine: CUDA KV blocks moved between HBM and pool files by KvikIO, checksummed on the GPU.
+
+KvikIO takes one of three paths, and which one matters for both speed and honesty of reports:
+real GPUDirect Storage, cuFile's own POSIX compat mode (libcufile without nvidia-fs), or KvikIO's
+POSIX path with a pinned bounce buffer (KvikIO compat mode).  Switching KvikIO's compat mode off
+can make every file open fail on hosts where cuFile cannot register handles (on the H200 test
+host: ext4, "udev property not found", then "file descriptor is not registered"), and on a host
+with libcufile but no usable driver it can hang.  So before the first transfer the engine probes
+cuFile once on the pool's filesystem, under a timeout, and falls back to KvikIO's POSIX path with
+the reason recorded if the probe fails; :meth:`KvikioEngine.data_path` reports the outcome.
+
+KvikIO and CuPy are imported only when an engine is built, never by importing the package.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import threading
+from typing import Any
+
+import torch
+
+from .base import IoEngine, TransferItem
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TASK_SIZE = 4 << 20
+PROBE_TIMEOUT_S = 20.0
+# Above KvikIO's 16 KiB gds_threshold, below which pread/pwrite skip cuFile: the probe must take
+# the path block transfers take.
+_PROBE_BYTES = 64 << 10
+_PROBE_OFFSET = 4096  # where a block file's payload starts, after its header page
+# KvikIO raises RuntimeError with the system error text; block_io retries and counts failures by
+# errno, so the errors it acts on are turned back into OSError.
+_ERRNO_BY_TEXT = {os.strerror(code): code for code in
+                  (errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT,
+                   errno.EROFS, errno.EBADF, errno.ENOENT)}
+
+
+def probe_cufile(dirpath: str, timeout_s: float = PROBE_TIMEOUT_S,
+                 device: torch.device | None = None) -> tuple[bool, str]:
+    """Open, write and read back a small file in ``dirpath`` through cuFile, with compat mode off.
+
+    Compat mode is forced off for the probe because under AUTO a failing handle registration is
+    silently absorbed per file, which is exactly what the probe must see.  The attempt runs on a
+    daemon thread and is abandoned after ``timeout_s``, because on a host with libcufile but no
+    working driver cuFile can block forever.  Returns (ok, reason).
+    """
+    import kvikio
+    import kvikio.defaults
+
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    outcome: list[tuple[bool, str]] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(_probe_once(kvikio, dirpath, device))
+        except BaseException as exc:  # noqa: BLE001 - any failure is the probe's answer
+            outcome.append((False, f"{type(exc).__name__}: {exc}".strip()))
+
+    previous = kvikio.defaults.get("compat_mode")
+    kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF)
+    try:
+        worker = threading.Thread(target=attempt, name="gdskv-cufile-probe", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+    finally:
+        kvikio.defaults.set("compat_mode", previous)
+    if not outcome:
+        return False, f"cuFile probe in {dirpath} did not finish within {timeout_s:g} s"
+    return outcome[0]
+
+
+def _probe_once(kvikio: Any, dirpath: str, device: torch.device) -> tuple[bool, str]:
+    path = os.path.join(dirpath, f".gdskv-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, _PROBE_OFFSET + _PROBE_BYTES)
+        src = (torch.arange(_PROBE_BYTES, dtype=torch.int32, device=device) % 251).to(torch.uint8)
+        dst = torch.zeros_like(src)
+        torch.cuda.synchronize(device)
+        # The same reopen through /proc the engine does, so registration is tested on the same terms.
+        f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
+        try:
+            wrote = f.pwrite(src, file_offset=_PROBE_OFFSET).get()
+            got = f.pread(dst, file_offset=_PROBE_OFFSET).get()
+        finally:
+            f.close()
+        if wrote != _PROBE_BYTES or got != _PROBE_BYTES:
+            return False, f"short cuFile transfer in {dirpath}: wrote {wrote}, read {got} of {_PROBE_BYTES} bytes"
+        if not torch.equal(src, dst):
+            return False, f"cuFile read back different bytes than it wrote in {dirpath}"
+        return True, f"cuFile registered a handle and round-tripped {_PROBE_BYTES >> 10} KiB in {dirpath}"
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class KvikioEngine(IoEngine):
+    name = "kvikio"
+
+    def __init__(self, io_threads: int = 16, device: torch.device | None = None,
+                 probe_dir: str | None = None) -> None:
+        """``probe_dir`` should be the pool directory, so cuFile is probed on the filesystem it will
+        serve; without it the probe runs in the directory of the first file transferred."""
+        import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if kvikio.defaults.get("num_threads") != io_threads:
+            kvikio.defaults.set("num_threads", io_threads)
+        if "KVIKIO_TASK_SIZE" not in os.environ and kvikio.defaults.get("task_size") != DEFAULT_TASK_SIZE:
+            kvikio.defaults.set("task_size", DEFAULT_TASK_SIZE)
+        self._probe_lock = threading.Lock()
+        # When KvikIO never calls cuFile there is nothing to probe.
+        self._probed = kvikio.defaults.is_compat_mode_preferred()
+        self._probe_reason = ""
+        self._fallback: str | None = None
+        self._log_start()
+        if probe_dir is not None:
+            self._ensure_probed(probe_dir)
+
+    # -- IoEngine ---------------------------------------------------------------------------------
+    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
+        return self._transfer(items, write=True)
+
+    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
+        return self._transfer(items, write=False)
+
+    def checksums(self, views: list[torch.Tensor]) -> list[int]:
+        from ..gpu_checksum import checksums_device
+
+        return checksums_device(views)
+
+    def data_path(self) -> str:
+        kv = self._kvikio
+        if self._fallback is not None:
+            return f"kvikio-posix (fallback: {self._fallback})"
+        if kv.defaults.is_compat_mode_preferred():
+            if kv.defaults.get("compat_mode") == kv.CompatMode.ON:
+                return "kvikio-posix (KVIKIO_COMPAT_MODE=ON)"
+            return ("kvikio-posix (KVIKIO_COMPAT_MODE=AUTO chose it: libcufile is not loadable, "
+                    "/run/udev is unreadable, or this is WSL)")
+        probe = self._probe_reason if self._probed else "cuFile is probed at the first transfer"
+        try:
+            gds = bool(kv.cufile_driver.get("is_gds_available"))
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            return f"cufile-compat (is_gds_available unreadable: {exc}; {probe})"
+        if gds:
+            return f"gds (nvidia-fs is loaded; {probe})"
+        return ("cufile-compat (libcufile is used but nvidia-fs is not loaded, "
+                f"so cuFile runs its own POSIX mode; {probe})")
+
+    # -- internals --------------------------------------------------------------------------------
+    def _log_start(self) -> None:
+        kv = self._kvikio
+        log.info("KvikIO %s, libcufile %s, compat_mode=%s (KVIKIO_COMPAT_MODE=%s, compat preferred: %s), "
+                 "is_gds_available=%s, allow_compat_mode=%s, num_threads=%s, task_size=%s",
+                 kv.__version__, _guarded(kv.cufile_driver.libcufile_version),
+                 kv.defaults.get("compat_mode"), os.environ.get("KVIKIO_COMPAT_MODE", "unset"),
+                 kv.defaults.is_compat_mode_preferred(),
+                 _guarded(lambda: kv.cufile_driver.get("is_gds_available")),
+                 _guarded(lambda: kv.cufile_driver.get("allow_compat_mode")),
+                 kv.defaults.get("num_threads"), kv.defaults.get("task_size"))
+
+    def _ensure_probed(self, dirpath: str) -> None:
+        """Probe once; every transfer waits here until the process-wide compat mode is final."""
+        if self._probed:
+            return
+        with self._probe_lock:
+            if self._probed:
+                return
+            ok, reason = probe_cufile(dirpath, device=self.device)
+            self._probe_reason = reason
+            if ok:
+                log.info("cuFile probe: %s", reason)
+            else:
+                self._kvikio.defaults.set("compat_mode", self._kvikio.CompatMode.ON)
+                self._fallback = reason
+                log.warning("cuFile probe failed (%s); moving blocks on KvikIO's POSIX path", reason)
+            self._probed = True
+
+    def _transfer(self, items: list[TransferItem], write: bool) -> list[BaseException | None]:
+        if not items:
+            return []
+        if not self._probed:
+            try:
+                self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
+                return [_as_error(exc) for _ in items]
+        flags = "r+" if write else "r"
+        results: list[BaseException | None] = [None] * len(items)
+        handles: list[Any] = []
+        pending: list[tuple[int, Any]] = []
+        resolved = 0
+        try:
+            # Submit everything before waiting on anything, so KvikIO's thread pool sees the whole batch.
+            for i, item in enumerate(items):
+                try:
+                    view = _byte_view(item.view)
+                    # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
+                    # reopening the same inode through /proc lets KvikIO open it its own way.
+                    handle = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
+                    handles.append(handle)
+                    op = handle.pwrite if write else handle.pread
+                    pending.append((i, op(view, file_offset=item.offset)))
+                except Exception as exc:  # noqa: BLE001 - reported per item
+                    results[i] = _as_error(exc)
+            for i, future in pending:
+                try:
+                    moved = future.get()
+                    error = None
+                except Exception as exc:  # noqa: BLE001 - reported per item
+                    moved, error = 0, _as_error(exc)
+                resolved += 1
+                expected = items[i].view.numel() * items[i].view.element_size()
+                if error is None and moved != expected:
+                    error = (OSError(errno.EIO, f"short write: {moved} of {expected} bytes") if write
+                             else EOFError(f"short read: {moved} of {expected} bytes at offset {items[i].offset}"))
+                results[i] = error
+        finally:
+            # Only reached with futures left on an unexpected BaseException: a handle must outlive
+            # its futures, so let them finish before closing.
+            for _, future in pending[resolved:]:
+                try:
+                    future.get()
+                except BaseException:  # noqa: BLE001 - already failing
+                    pass
+            for handle in handles:
+                try:
+                    handle.close()
+                except Exception as exc:  # noqa: BLE001 - the transfer's outcome is already known
+                    log.debug("closing a KvikIO handle failed: %s", exc)
+        return results
+
+
+def _byte_view(view: torch.Tensor) -> torch.Tensor:
+    """A uint8 view, because torch cannot export FP8 tensors through __cuda_array_interface__."""
+    if view.device.type != "cuda":
+        raise ValueError(f"the kvikio engine moves CUDA blocks only, not {view.device}; use the posix engine")
+    if not view.is_contiguous():
+        raise ValueError("block views must be contiguous")
+    return view if view.dtype == torch.uint8 else view.reshape(-1).view(torch.uint8)
+
+
+def _as_error(exc: Exception) -> BaseException:
+    """Map KvikIO's RuntimeErrors onto what block_io acts on: EOFError for a short file (it
+    quarantines the block) and OSError with an errno (it retries transient ones)."""
+    text = str(exc)
+    if "EOF" in text:
+        return EOFError(text)
+    if isinstance(exc, OSError):
+        return exc
+    for message, code in _ERRNO_BY_TEXT.items():
+        if message in text:
+            err = OSError(code, text)
+            err.__cause__ = exc
+            return err
+    return exc
+
+
+def _guarded(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a start-up log line must not fail the engine
+        return f"unavailable ({exc})"
