@@ -2,8 +2,9 @@
 
     python profiling/gpu_suite.py --out DIR
 
-Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU twice
-(KvikIO POSIX compatibility path, then the cuFile path with its automatic fallback), and writes
+Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU three
+times (KVIKIO_COMPAT_MODE=ON: KvikIO's POSIX path; OFF: the cuFile path, or the engine's
+start-up fallback with its reason where cuFile refuses the file; AUTO), and writes
 DIR/gpu-suite.json with the commit, pass/fail counts, the data path each run reported and the
 demo figures.
 """
@@ -63,7 +64,7 @@ def main() -> int:
             counts[key] += 1
     summary["gpu_tests"] = {"rc": rc, **counts}
     demos = {}
-    for name, mode in (("kvikio-posix", "ON"), ("cufile", "AUTO")):
+    for name, mode in (("kvikio-posix", "ON"), ("cufile-off", "OFF"), ("auto", "AUTO")):
         pool = f"{args.pool}-{name}"
         subprocess.run(["rm", "-rf", pool])
         out = f"{args.out}/demo-{name}.json"

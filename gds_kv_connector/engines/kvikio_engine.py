@@ -116,6 +116,7 @@ class KvikioEngine(IoEngine):
             kvikio.defaults.set("num_threads", io_threads)
         if "KVIKIO_TASK_SIZE" not in os.environ and kvikio.defaults.get("task_size") != DEFAULT_TASK_SIZE:
             kvikio.defaults.set("task_size", DEFAULT_TASK_SIZE)
+        _apply_compat_env(kvikio)
         self._probe_lock = threading.Lock()
         # When KvikIO never calls cuFile there is nothing to probe.
         self._probed = kvikio.defaults.is_compat_mode_preferred()
@@ -237,6 +238,19 @@ class KvikioEngine(IoEngine):
                 except Exception as exc:  # noqa: BLE001 - the transfer's outcome is already known
                     log.debug("closing a KvikIO handle failed: %s", exc)
         return results
+
+
+def _apply_compat_env(kvikio: Any) -> None:
+    """Make KVIKIO_COMPAT_MODE as set now authoritative.
+
+    KvikIO reads it once, at import; an engine built later in the same process (a restart of
+    the connector, a test) must still get the mode its environment asks for.
+    """
+    raw = os.environ.get("KVIKIO_COMPAT_MODE", "").strip().lower()
+    mode = {"on": "ON", "true": "ON", "yes": "ON", "1": "ON", "off": "OFF", "false": "OFF", "no": "OFF",
+            "0": "OFF", "auto": "AUTO"}.get(raw)
+    if mode is not None and kvikio.defaults.get("compat_mode") != getattr(kvikio.CompatMode, mode):
+        kvikio.defaults.set("compat_mode", getattr(kvikio.CompatMode, mode))
 
 
 def _byte_view(view: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def _gpu_executor(dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8], ids=["bf16", "fp8-as-uint8"])
-@pytest.mark.parametrize("compat", ["ON", "AUTO"], ids=["kvikio-posix", "cufile"])
+@pytest.mark.parametrize("compat", ["ON", "OFF"], ids=["kvikio-posix", "cufile-or-fallback"])
 def test_restart_round_trip_on_gpu(pool_env, monkeypatch, dtype, compat):
     monkeypatch.setenv("KVIKIO_COMPAT_MODE", compat)
     ex1 = _gpu_executor(dtype)
@@ -42,6 +42,7 @@ def test_restart_round_trip_on_gpu(pool_env, monkeypatch, dtype, compat):
     for i in range(len(PROMPTS)):
         assert ex2.output_tokens(i) == ex1.output_tokens(i)
     print(f"data path ({compat}): {path}")
+    assert ("ON" in path) if compat == "ON" else ("cufile" in path or "gds" in path or "fallback:" in path)
     ex2.worker.shutdown()
 
 
