@@ -65,7 +65,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .ops_commands import format_gc, gc
     s = Settings.load_from(require_root=False)
     quota = args.quota if args.quota is not None else s.quota_bytes
-    result = gc(_root(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes)
+    result = gc(_root(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes,
+                grace_s=s.evict_grace_s)
     return _emit(args, result, format_gc(result))
 
 

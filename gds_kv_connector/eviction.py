@@ -266,7 +266,8 @@ def _run(root: str, now: float | None, dry_run: bool, header_cache: HeaderCache 
     return report
 
 
-def _graph(blocks: list[BlockFile], cache: HeaderCache | None, report: EvictionReport) -> dict[tuple[str, bytes], _Node]:
+def _graph(blocks: list[BlockFile], cache: HeaderCache | None,
+           report: EvictionReport) -> dict[tuple[str, bytes], _Node]:
     """Nodes keyed by (fingerprint dir, key) with parent links; a garbage header has no parent."""
     nodes: dict[tuple[str, bytes], _Node] = {}
     for b in blocks:

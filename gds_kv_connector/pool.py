@@ -336,7 +336,11 @@ class BlockPool:
             self._made_dirs.discard(parent)  # cached, but removed since
             self._makedirs(parent, depth + 1)
             return self._makedirs(d, depth + 1)
-        if os.path.islink(d) or not os.path.isdir(d):
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            return  # removed again meanwhile (pool wiped); not cached, so the next use retries
+        if not stat.S_ISDIR(st.st_mode):  # a symlink or a file planted where a directory belongs
             raise PoolError(f"{d} exists and is not a directory")
         with self._lock:
             self._made_dirs.add(d)

@@ -18,6 +18,7 @@ from .metadata import GdsKvMetadata, LoadOp, SaveOp
 from .nvtx_ranges import nvtx_range
 from .pool import BlockPool
 from .pool_format import ZERO_KEY
+from .recency import RecencyLog
 from .settings import Settings
 from .trtllm_api import KvCacheConnectorScheduler
 
@@ -75,6 +76,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self.config: EngineConfig = read_llm_args(llm_args, self.settings.model_id)
         self._peer: PeerInfo | None = None
         self._lookup_pools: list[BlockPool] = []
+        self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
         self._out_loads: list[LoadOp] = []
         self._out_saves: list[SaveOp] = []
@@ -92,6 +94,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 raise RuntimeError("gds-kv-connector: the scheduler found no worker in this process; "
                                    "register_kv_caches / register_kv_cache_layout must run first")
             self._peer = peer
+            self._recency = RecencyLog.for_process(self.settings.roots)
             self._lookup_pools = [
                 BlockPool(self.settings.roots, fp, peer.block_bytes, self.config.tokens_per_block,
                           share_group=self.settings.share_group, index_ttl_s=self.settings.index_ttl_s)
@@ -140,6 +143,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             if n == 0:
                 return 0, False
             is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
+            self._recency.touch(keys[first:first + n])  # protects the promise from eviction until pinned
             st.pending_load = (first, keys[first:first + n], is_async)
             return n * tpb, is_async
 

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_blocks
 from .engines.base import IoEngine
@@ -43,8 +43,10 @@ class ConnectorFailure(RuntimeError):
 
 
 class TransferManager:
-    def __init__(self, pool: BlockPool, engine: IoEngine, kv: KvPool, settings: Settings, stats: Stats) -> None:
+    def __init__(self, pool: BlockPool, engine: IoEngine, kv: KvPool, settings: Settings, stats: Stats,
+                 on_saved: Callable[[int], None] | None = None) -> None:
         self.pool, self.engine, self.kv, self.settings, self.stats = pool, engine, kv, settings, stats
+        self._on_saved = on_saved  # bytes of files published, for the capacity guard
         self._exec = ThreadPoolExecutor(max_workers=settings.transfer_threads, thread_name_prefix="gdskv-xfer")
         self._jobs: dict[int, list[_Job]] = {}
         self._sync_loads: list[_Job] = []
@@ -98,7 +100,10 @@ class TransferManager:
         with nvtx_range(f"io/save r{op.request_id} x{len(op.keys)}", "orange"):
             _wait_event(event)
             views = [self.kv.block_view(b) for b in op.block_ids]
-            return save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)
+            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)
+            if self._on_saved is not None and out.published:
+                self._on_saved(out.published * self.pool.file_size)
+            return out
 
     # -- completion (executor thread) -------------------------------------------------------------
     def wait_sync_loads(self) -> None:
@@ -154,7 +159,7 @@ class TransferManager:
                 self._check_deadline(rid, "load", job.accepted, now, job)
                 return False
         for job in loads:
-            exc = job.future.exception()
+            exc = None if job.future.cancelled() else job.future.exception()  # cancelled: never touched pages
             if exc is not None:
                 raise self._load_failure(job, exc)
         self.stats.add_many(loads_async=len(loads), bytes_loaded=sum(j.nbytes for j in loads))
@@ -177,7 +182,7 @@ class TransferManager:
                 continue
             if job.kind == "save":
                 self._account_save(job)
-            elif job.future.exception() is not None:
+            elif not job.future.cancelled() and job.future.exception() is not None:
                 if keep_pending:
                     kept.append(job)  # a load failure is reported when its id is polled
         if kept:

@@ -7,15 +7,18 @@ from typing import Any, List, Tuple
 
 import torch
 
+from .capacity import CapacityGuard
 from .engines import make_engine
 from .fileops import FileOps
 from .keys import PoolGeometry, shard_fingerprint
 from .kv_layout import KvPool, pool_from_layout, pool_from_tensor
 from .llm_config import read_llm_args
 from .local_peer import PeerInfo, register, unregister
+from .metrics import StatsPublisher
 from .metadata import GdsKvMetadata
 from .nvtx_ranges import nvtx_range
 from .pool import BlockPool
+from .recency import RecencyLog
 from .settings import Settings
 from .stats import Stats
 from .transfers import TransferManager
@@ -38,6 +41,9 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.kv: KvPool | None = None
         self.pool: BlockPool | None = None
         self.transfers: TransferManager | None = None
+        self.recency: RecencyLog | None = None
+        self.capacity: CapacityGuard | None = None
+        self.stats_publisher: StatsPublisher | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -63,7 +69,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
                              probe_dir=self.pool.fp_dirs[0])
         self.kv = kv
-        self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats)
+        self.recency = RecencyLog.for_process(self.settings.roots)
+        self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
+        self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self.stats.snapshot,
+                                              self.settings.stats_interval_s)
+        self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
+                                         on_saved=self.capacity.note_saved)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
                                           self.stats))
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s)", kv.num_blocks,
@@ -111,7 +122,11 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         unregister(self._llm_args)
         if self.transfers is None:
             return {"dropped": 0, "stuck": 0}
-        return self.transfers.shutdown()
+        result = self.transfers.shutdown()
+        self.capacity.close()
+        self.stats_publisher.close()
+        self.recency.flush()  # not close(): the scheduler of this process shares the log
+        return result
 
     def _record_event(self, stream: Any) -> Any:
         """An event after all work queued so far on the forward stream; None for a host pool."""

@@ -1,0 +1,283 @@
+"""Eviction: budget, LRU order, chain tails first, grace, and a lock that survives its holder."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gds_kv_connector import eviction
+from gds_kv_connector.capacity import CapacityGuard
+from gds_kv_connector.eviction import EvictLock, evict, expire
+from gds_kv_connector.pool import TMP_PREFIX, BlockPool
+from gds_kv_connector.pool_format import ZERO_KEY, BlockHeader
+from gds_kv_connector.pool_scan import quarantine_dir, scan_pool
+from gds_kv_connector.recency import RecencyLog
+
+PAYLOAD = 4096
+FILE = 8192  # header page + one payload page
+T0 = time.time_ns() + 10 * 10**9  # touches after every header's created_ns
+LATER = T0 / 1e9 + 10_000  # "now" for eviction runs: everything is old unless the grace says otherwise
+
+
+def key(i: int) -> bytes:
+    return bytes([0xAA]) + i.to_bytes(31, "big")
+
+
+def make_pool(root) -> BlockPool:
+    return BlockPool((str(root),), b"\x11" * 32, PAYLOAD, 4, geometry_note="test")
+
+
+def put(pool: BlockPool, k: bytes, parent: bytes = ZERO_KEY, created_ns: int = 1) -> None:
+    """Publish a block whose header says it was created at ``created_ns``."""
+    header = BlockHeader(pool.fingerprint, k, PAYLOAD, 0, 1, 4, created_ns, parent)
+    fd, tmp = pool.create_tmp(k, header)
+    os.pwrite(fd, b"\x5a" * PAYLOAD, 4096)
+    assert pool.publish(fd, tmp, k)
+    os.utime(pool.path_for(k), ns=(1, 1))  # recency comes from the header and the access log only
+
+
+def touch(root, stamps: dict[bytes, int]) -> None:
+    rl = RecencyLog(str(root), "tester", flush_interval_s=0)
+    for k, ts in stamps.items():
+        rl.touch([k], ts)
+    rl.close()
+
+
+def present(root) -> set[bytes]:
+    return {b.key for b in scan_pool(str(root)).blocks}
+
+
+def test_quota_enforced_down_to_low_watermark(tmp_path):
+    pool = make_pool(tmp_path)
+    for i in range(20):
+        put(pool, key(i))
+    rep = evict(str(tmp_path), quota_bytes=10 * FILE, low_watermark=0.5, min_free_bytes=0, grace_s=60, now=LATER)
+    assert not rep.skipped and rep.reason == "quota"
+    assert rep.scanned_bytes == 20 * FILE and rep.target_bytes == 15 * FILE
+    assert rep.evicted_blocks == 15 and rep.reached_target
+    assert len(present(tmp_path)) == 5
+    again = evict(str(tmp_path), 10 * FILE, 0.5, 0, 60, now=LATER)
+    assert again.target_bytes == 0 and again.evicted_blocks == 0
+
+
+def test_least_recently_used_go_first(tmp_path):
+    pool = make_pool(tmp_path)
+    for i in range(8):
+        put(pool, key(i))
+    order = [5, 2, 7, 0, 3, 1, 6, 4]  # oldest access first
+    touch(tmp_path, {key(i): T0 + n * 10**9 for n, i in enumerate(order)})
+    rep = evict(str(tmp_path), quota_bytes=6 * FILE, low_watermark=0.5, min_free_bytes=0, grace_s=1, now=LATER)
+    assert rep.evicted_blocks == 5
+    assert present(tmp_path) == {key(i) for i in order[5:]}
+
+
+def test_created_ns_counts_as_recency(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(1), created_ns=T0)
+    put(pool, key(2), created_ns=T0 + 10**9)
+    evict(str(tmp_path), quota_bytes=2 * FILE - 1, low_watermark=0.9, min_free_bytes=0, grace_s=1, now=LATER)
+    assert present(tmp_path) == {key(2)}
+
+
+def test_tails_are_evicted_before_their_parents(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(0))
+    put(pool, key(1), parent=key(0))
+    put(pool, key(2), parent=key(1))
+    put(pool, key(9))
+    # the head was used long ago; plain LRU would remove it first and orphan the chain
+    touch(tmp_path, {key(0): T0, key(1): T0 + 1, key(9): T0 + 5, key(2): T0 + 10})
+    rep = evict(str(tmp_path), quota_bytes=3 * FILE, low_watermark=0.67, min_free_bytes=0, grace_s=1,
+                now=LATER)
+    assert rep.evicted_blocks == 2
+    assert present(tmp_path) == {key(0), key(1)}
+    # the whole chain goes tail first when more must go
+    evict(str(tmp_path), quota_bytes=FILE, low_watermark=0.5, min_free_bytes=0, grace_s=1, now=LATER)
+    assert present(tmp_path) == set()
+
+
+def test_grace_protects_recent_blocks_and_their_ancestors(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(0))
+    put(pool, key(1), parent=key(0))
+    put(pool, key(5))
+    now = T0 / 1e9 + 100
+    touch(tmp_path, {key(1): T0 + 90 * 10**9, key(5): T0})  # the tail was used 10 s ago
+    rep = evict(str(tmp_path), quota_bytes=FILE, low_watermark=0.5, min_free_bytes=0, grace_s=30, now=now)
+    assert present(tmp_path) == {key(0), key(1)}  # the old head stays: it leads to a protected tail
+    assert rep.evicted_blocks == 1 and not rep.reached_target and rep.protected_blocks == 2
+
+
+def test_low_free_space_triggers_eviction(tmp_path, monkeypatch):
+    pool = make_pool(tmp_path)
+    for i in range(4):
+        put(pool, key(i))
+    monkeypatch.setattr(eviction, "_free_bytes", lambda root: FILE)
+    rep = evict(str(tmp_path), quota_bytes=0, low_watermark=0.5, min_free_bytes=2 * FILE, grace_s=1, now=LATER)
+    assert rep.reason == "min_free" and rep.target_bytes == 3 * FILE and rep.evicted_blocks == 3
+
+
+def test_expire_removes_old_chains_from_the_tail(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(0))
+    put(pool, key(1), parent=key(0))
+    put(pool, key(2), parent=key(0))
+    put(pool, key(3))
+    now = T0 / 1e9 + 1000
+    touch(tmp_path, {key(2): T0 + 900 * 10**9})
+    rep = expire(str(tmp_path), max_age_s=500, now=now)
+    assert present(tmp_path) == {key(0), key(2)} and rep.evicted_blocks == 2
+
+
+def test_dry_run_removes_nothing(tmp_path):
+    pool = make_pool(tmp_path)
+    for i in range(4):
+        put(pool, key(i))
+    rep = evict(str(tmp_path), FILE, 0.5, 0, 1, now=LATER, dry_run=True)
+    assert rep.evicted_blocks == 4 and len(present(tmp_path)) == 4
+
+
+def test_replaced_file_is_not_evicted(tmp_path, monkeypatch):
+    pool = make_pool(tmp_path)
+    put(pool, key(1))
+    real_scan = eviction.scan_pool
+
+    def scan_then_replace(root):
+        scan = real_scan(root)
+        os.unlink(pool.path_for(key(1)))  # evicted by someone else and republished since the scan
+        put(pool, key(1))
+        return scan
+    monkeypatch.setattr(eviction, "scan_pool", scan_then_replace)
+    rep = evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER)
+    assert rep.failed == 1 and present(tmp_path) == {key(1)}
+
+
+def test_second_evictor_skips_while_the_lock_is_held(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(1))
+    with EvictLock(str(tmp_path)) as holder:
+        assert holder.acquire()
+        rep = evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER)
+        assert rep.skipped and rep.evicted_blocks == 0
+    assert evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER).evicted_blocks == 1
+
+
+def test_killed_holder_does_not_block_the_next_evictor(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(1))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from gds_kv_connector.eviction import EvictLock; "
+         "lock = EvictLock(sys.argv[1]); assert lock.acquire(); print('locked', flush=True); time.sleep(60)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER).skipped
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    rep = evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER)
+    assert not rep.skipped and rep.evicted_blocks == 1
+
+
+def test_exclusive_file_lock_when_flock_is_unsupported(tmp_path, monkeypatch):
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "no locks available")
+    monkeypatch.setattr(eviction.fcntl, "flock", no_flock)
+    make_pool(tmp_path)
+    first, second = EvictLock(str(tmp_path)), EvictLock(str(tmp_path))
+    assert first.acquire()
+    assert not second.acquire()
+    first.release()
+    assert second.acquire()
+    second.release()
+    # a lock file left by a dead local process is broken; a fresh foreign one is respected
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open(first.excl_path, "w") as fh:
+        json.dump({"host": eviction._HOST, "pid": int(dead.stdout), "time": time.time(), "token": "x"}, fh)
+    assert first.acquire()
+    first.release()
+    with open(first.excl_path, "w") as fh:
+        json.dump({"host": "elsewhere", "pid": 1, "time": time.time(), "token": "y"}, fh)
+    assert not first.acquire()
+    old = time.time() - 2 * eviction.EXCL_LOCK_STALE_S
+    os.utime(first.excl_path, (old, old))
+    assert first.acquire()
+    first.release()
+
+
+def test_tidies_stale_tmp_and_old_quarantine(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(1))
+    d = pool.dir_for(key(1))
+    dead_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{eviction._HOST}-999999999-abcd")
+    live_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{eviction._HOST}-{os.getpid()}-abcd")
+    for p in (dead_tmp, live_tmp):
+        open(p, "wb").close()
+    qdir = quarantine_dir(str(tmp_path))
+    old_q = os.path.join(qdir, f"{key(2).hex()}.{time.time_ns() - 2 * 86_400 * 10**9}.bad")
+    new_q = os.path.join(qdir, f"{key(3).hex()}.{time.time_ns()}.bad")
+    for p in (old_q, new_q):
+        open(p, "wb").close()
+    rep = evict(str(tmp_path), 0, 0.5, 0, 1)
+    assert rep.tmp_removed == 1 and rep.quarantine_removed == 1
+    assert not os.path.exists(dead_tmp) and os.path.exists(live_tmp)
+    assert not os.path.exists(old_q) and os.path.exists(new_q)
+
+
+def test_capacity_guard_evicts_in_the_background(tmp_path):
+    pool = make_pool(tmp_path)
+    rl = RecencyLog(str(tmp_path), "guard", flush_interval_s=0)
+    guard = CapacityGuard([str(tmp_path)], quota_bytes=10 * FILE, low_watermark=0.5, min_free_bytes=0,
+                          grace_s=0, recency=rl, check_interval_s=3600)
+    try:
+        for i in range(12):
+            put(pool, key(i))
+        rl.touch([key(0)])  # this owner's own unflushed touch is flushed before the run
+        guard.note_saved(12 * FILE)
+        assert guard.check_now(timeout=10)
+        rep = guard.last_reports[0]
+        assert rep.evicted_blocks == 7 and len(present(tmp_path)) == 5
+        assert key(0) in present(tmp_path)
+    finally:
+        guard.close()
+        rl.close()
+
+
+def test_capacity_guard_is_inert_without_a_budget(tmp_path):
+    guard = CapacityGuard([str(tmp_path)], quota_bytes=0, low_watermark=0.9, min_free_bytes=0, grace_s=1)
+    guard.note_saved(1 << 40)
+    assert not guard.enabled and guard.check_now() and guard.last_reports == []
+    guard.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_unreadable_header_is_evictable_without_parent(tmp_path, damage):
+    pool = make_pool(tmp_path)
+    put(pool, key(1))
+    with open(pool.path_for(key(1)), "r+b") as fh:
+        if damage == "garbage":
+            fh.write(b"garbage" * 10)
+        else:
+            fh.truncate(100)
+    rep = evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER)
+    assert rep.unreadable_headers == 1 and rep.evicted_blocks == 1
+
+
+def test_blocks_cut_off_from_their_head_go_first(tmp_path):
+    pool = make_pool(tmp_path)
+    put(pool, key(0))
+    put(pool, key(1), parent=key(0))
+    put(pool, key(2), parent=key(1))
+    put(pool, key(3), parent=key(2))
+    put(pool, key(9))
+    os.unlink(pool.path_for(key(1)))  # key 2 and 3 can no longer be reached by any lookup
+    touch(tmp_path, {key(9): T0, key(0): T0 + 1, key(2): T0 + 5, key(3): T0 + 6})
+    rep = evict(str(tmp_path), quota_bytes=3 * FILE, low_watermark=0.67, min_free_bytes=0, grace_s=1, now=LATER)
+    assert rep.evicted_blocks == 2 and present(tmp_path) == {key(0), key(9)}
