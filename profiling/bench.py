@@ -1,0 +1,1491 @@
+#!/usr/bin/env python
+"""gds-kv-connector benchmark: ceilings, baselines, the connector's own paths, executor cost, overlap.
+
+One command, one machine, one run; every ratio it prints is between numbers measured in this run.
+
+Phases (each bounded in bytes and in time; the whole run shares a time budget, --budget-s):
+
+* ceilings   pinned host<->device copy bandwidth (CUDA only) and raw storage bandwidth of every
+             target directory (O_DIRECT with page-aligned mmap buffers where the filesystem allows
+             it; best over 1,2,4,8,16 parallel streams of 4 MiB pwrite/pread, page cache dropped
+             before reads);
+* baselines  the TensorRT-LLM example's per-block ``torch.save(block.cpu())`` / ``torch.load`` +
+             ``copy_``, and naive KvikIO (one ``kvikio.CuFile`` per block, library defaults,
+             sequential ``pwrite``/``pread(...).get()``; CUDA + KvikIO only);
+* connector  ``block_io.save_blocks`` and ``pin_blocks`` + ``load_blocks`` (checksums on) with the
+             engine the connector would choose (``make_engine("auto", ...)``), per block size and
+             target, disk loads from a cold page cache;
+* executor   connector callback time on the executor thread through the reference executor
+             (64-request batch, 32 layers), and the match time of a fully cached 128k-token prompt;
+* overlap    (CUDA only) slowdown of a bf16 matmul loop while saves and loads run concurrently.
+
+Usage: ``python profiling/bench.py [--quick] [--json FILE] [--trace FILE] ...``
+(``gds-kv bench ...`` runs the same ``main``).  See profiling/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import mmap
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+try:  # a source checkout without `pip install -e .`
+    import gds_kv_connector  # noqa: F401
+except ImportError:
+    sys.path.insert(0, _REPO)
+
+import torch  # noqa: E402
+
+from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.pool import BlockPool  # noqa: E402
+from gds_kv_connector.pool_format import ZERO_KEY, file_size_for  # noqa: E402
+from gds_kv_connector.settings import parse_size  # noqa: E402
+
+GB = 1e9
+MiB = 1 << 20
+KiB = 1 << 10
+RAW_CHUNK = 4 * MiB
+DEFAULT_SIZES = "256KiB,1MiB,2.25MiB,4MiB,10MiB"
+QUICK_SIZES = "256KiB,1MiB"
+TOKENS_PER_BLOCK = 32
+MATCH_BLOCKS = 4096  # a 128k-token prompt of 32-token blocks
+MATCH_BLOCK_ELEMS = 1024  # bf16, 1 layer, K+V -> 4 KiB blocks: only matching is timed
+
+# The issue's goals; the bench prints PASS/MISS against them and never asserts.
+GOALS = {
+    "host_ge1m_vs_pinned": 0.85,
+    "host_256k_vs_pinned": 0.60,
+    "disk_vs_raw": 0.90,
+    "host_vs_trtllm_x": 30.0,
+    "exec_callback_us_per_iter": 100.0,
+    "exec_layer_hook_us": 5.0,
+    "match_128k_ms": 5.0,
+    "overlap_slowdown_pct": 5.0,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / GB if seconds > 0 and nbytes > 0 else 0.0
+
+
+def fmt_size(n: int) -> str:
+    if n >= MiB:
+        v = n / MiB
+        return f"{v:g}M" if v != int(v) else f"{int(v)}M"
+    return f"{n // KiB}K"
+
+
+def _opt_version(mod: str) -> str | None:
+    try:
+        m = __import__(mod)
+        return str(getattr(m, "__version__", "?"))
+    except Exception:  # noqa: BLE001 - absent or broken: recorded as absent
+        return None
+
+
+def git_commit() -> dict:
+    out: dict[str, Any] = {"commit": None, "dirty": None, "source": None}
+    try:
+        head = subprocess.run(["git", "-C", _REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            out["commit"], out["source"] = head.stdout.strip(), "git rev-parse HEAD"
+            st = subprocess.run(["git", "-C", _REPO, "status", "--porcelain"], capture_output=True, text=True,
+                                timeout=10)
+            out["dirty"] = bool(st.stdout.strip()) if st.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if out["commit"] is None and os.environ.get("GDS_KV_COMMIT"):
+        out["commit"], out["source"] = os.environ["GDS_KV_COMMIT"], "env GDS_KV_COMMIT"
+    return out
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding ``path`` (longest matching mount point)."""
+    path = os.path.realpath(path)
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+_libc = None
+
+
+def syncfs(path: str) -> None:
+    """Flush the filesystem holding ``path`` (syncfs(2); sync(2) where unavailable)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    os.sync()
+
+
+def _iter_files(paths: list[str]):
+    for p in paths:
+        if os.path.isdir(p):
+            for d, _, names in os.walk(p):
+                for n in names:
+                    yield os.path.join(d, n)
+        elif os.path.exists(p):
+            yield p
+
+
+def drop_caches(paths: list[str], global_drop: bool) -> dict:
+    """Make the next reads of ``paths`` come from the device: write back, then drop the pages."""
+    t0 = time.perf_counter()
+    os.sync()  # dirty pages cannot be dropped
+    n = 0
+    for f in _iter_files(paths):
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    dropped = False
+    if global_drop:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as fh:
+                fh.write("1\n")
+            dropped = True
+        except OSError:
+            pass
+    return {"fadvise_files": n, "proc_drop_caches": dropped, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+class Budget:
+    """The run's time budget; each phase gets a share of what is left."""
+
+    def __init__(self, total_s: float, phase_cap_s: float) -> None:
+        self.t0 = time.monotonic()
+        self.total = total_s
+        self.phase_cap = phase_cap_s
+        self.phases_left = 1
+
+    def left(self) -> float:
+        return self.total - (time.monotonic() - self.t0)
+
+    def cap(self, want: float | None = None) -> float:
+        want = self.phase_cap if want is None else want
+        share = 0.8 * self.left() / max(1, self.phases_left)
+        return max(0.3, min(want, share))
+
+
+class Tracer:
+    """torch.profiler around the whole run when --trace is given; ``rf`` marks ranges in it."""
+
+    def __init__(self, path: str | None, cuda: bool) -> None:
+        self.path = path
+        self.prof = None
+        if path:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False)
+
+    def rf(self, name: str):
+        return torch.profiler.record_function(name) if self.prof is not None else contextlib.nullcontext()
+
+    def __enter__(self):
+        if self.prof is not None:
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
+            self.prof.export_chrome_trace(self.path)
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rand_bytes(shape: tuple[int, ...], device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
+    _sync(device)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# kvikio defaults: every engine and the naive baseline start from the library's own defaults
+# ----------------------------------------------------------------------------------------------
+class KvikioDefaults:
+    NAMES = ("compat_mode", "num_threads", "task_size")
+
+    def __init__(self) -> None:
+        self.kv = None
+        self.snapshot: dict[str, Any] = {}
+        try:
+            import kvikio
+            import kvikio.defaults
+            self.kv = kvikio
+            for n in self.NAMES:
+                try:
+                    self.snapshot[n] = kvikio.defaults.get(n)
+                except Exception:  # noqa: BLE001 - older KvikIO: nothing to restore
+                    pass
+        except Exception:  # noqa: BLE001 - absent: baselines and engine say so
+            self.kv = None
+
+    def restore(self) -> None:
+        if self.kv is None:
+            return
+        for n, v in self.snapshot.items():
+            try:
+                if self.kv.defaults.get(n) != v:
+                    self.kv.defaults.set(n, v)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def describe(self) -> dict:
+        return {k: str(v) for k, v in self.snapshot.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# ceilings
+# ----------------------------------------------------------------------------------------------
+def pinned_copy_ceiling(device: torch.device, quick: bool, tracer: Tracer) -> dict:
+    n = (64 if quick else 512) * MiB
+    reps = 4
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host.fill_(7)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    out = {"bytes_per_copy": n, "copies_per_trial": reps, "trials": 3}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        best = 0.0
+        with tracer.rf(f"bench/ceiling/pinned_{name}"):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best = max(best, gbps(n * reps, start.elapsed_time(end) / 1e3))
+        out[f"{name}_GBps"] = round(best, 3)
+    del host, dev
+    return out
+
+
+def _o_direct_ok(dirpath: str) -> tuple[bool, str]:
+    if not hasattr(os, "O_DIRECT"):
+        return False, "os.O_DIRECT not available"
+    path = os.path.join(dirpath, f".odirect-probe-{os.getpid()}")
+    buf = mmap.mmap(-1, 4096)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, buf, 0)
+        finally:
+            os.close(fd)
+        return True, "O_DIRECT"
+    except OSError as exc:
+        return False, f"O_DIRECT refused ({errno.errorcode.get(exc.errno, exc.errno)}): buffered I/O measured instead"
+    finally:
+        buf.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: float, write: bool,
+                 written: list[int] | None, pattern: bytes) -> tuple[list[int], float]:
+    per = max(RAW_CHUNK, (total // streams) // RAW_CHUNK * RAW_CHUNK)
+    paths = [os.path.join(dirpath, f"raw-{streams}-{k}") for k in range(streams)]
+    done = [0] * streams
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(streams + 1)
+    deadline = [0.0]
+
+    def worker(k: int) -> None:
+        buf = mmap.mmap(-1, RAW_CHUNK)
+        fd = -1
+        try:
+            if write:
+                buf.write(pattern)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            else:
+                flags = os.O_RDONLY
+            fd = os.open(paths[k], flags | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
+            limit = per if write else written[k]
+            barrier.wait()
+            pos = 0
+            while pos < limit and time.monotonic() < deadline[0]:
+                n = os.pwrite(fd, buf, pos) if write else os.preadv(fd, [buf], pos)
+                if n <= 0:
+                    break
+                pos += n
+            if write:
+                os.fdatasync(fd)
+            done[k] = pos
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.abort()
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            buf.close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(streams)]
+    for t in threads:
+        t.start()
+    deadline[0] = time.monotonic() + cap_s  # set before the barrier releases the streams
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    secs = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return done, secs
+
+
+def raw_storage_ceiling(name: str, dirpath: str, streams_list: list[int], total: int, budget: Budget,
+                        global_drop: bool, is_memory: bool, tracer: Tracer, progress) -> dict:
+    raw_dir = os.path.join(dirpath, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    direct, how = _o_direct_ok(raw_dir)
+    pattern = os.urandom(RAW_CHUNK)
+    res: dict[str, Any] = {"dir": dirpath, "fs": fs_type(dirpath), "io": how, "o_direct": direct,
+                           "chunk_bytes": RAW_CHUNK, "bytes_per_test": total,
+                           "write": {"by_streams": {}}, "read": {"by_streams": {}}}
+    try:
+        for s in streams_list:
+            progress(f"raw {name} x{s}")
+            with tracer.rf(f"bench/ceiling/raw_{name}_write_x{s}"):
+                done, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), True, None, pattern)
+            budget.phases_left -= 1
+            res["write"]["by_streams"][str(s)] = {"bytes": sum(done), "seconds": round(secs, 4),
+                                                  "GBps": round(gbps(sum(done), secs), 3)}
+            if not is_memory:
+                drop_caches([raw_dir], global_drop)
+            with tracer.rf(f"bench/ceiling/raw_{name}_read_x{s}"):
+                got, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), False, done, pattern)
+            budget.phases_left -= 1
+            res["read"]["by_streams"][str(s)] = {"bytes": sum(got), "seconds": round(secs, 4),
+                                                 "GBps": round(gbps(sum(got), secs), 3)}
+            for f in os.listdir(raw_dir):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(raw_dir, f))
+    finally:
+        shutil.rmtree(raw_dir, ignore_errors=True)
+    for d in ("write", "read"):
+        by = res[d]["by_streams"]
+        if by:
+            s_best = max(by, key=lambda k: by[k]["GBps"])
+            res[d]["best_GBps"], res[d]["best_streams"] = by[s_best]["GBps"], int(s_best)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# the connector's path: block_io with the engine the connector would choose
+# ----------------------------------------------------------------------------------------------
+def _run_batches(batches: list[list[int]], fn: Callable[[list[int]], int], threads: int,
+                 deadline: float) -> tuple[int, float, int, bool]:
+    """Run ``fn`` over batches on ``threads`` threads (like the connector's transfer threads) until
+    all are done or ``deadline``; returns (bytes, seconds, batches done, capped by time)."""
+    it = iter(batches)
+    lock = threading.Lock()
+    capped = [False]
+    count = [0]
+
+    def worker() -> int:
+        moved = 0
+        while True:
+            if time.monotonic() >= deadline:
+                capped[0] = True
+                return moved
+            with lock:
+                b = next(it, None)
+            if b is None:
+                return moved
+            moved += fn(b)
+            with lock:
+                count[0] += 1
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-xfer") as ex:
+        futs = [ex.submit(worker) for _ in range(min(threads, len(batches)))]
+        total = sum(f.result() for f in futs)
+    secs = time.perf_counter() - t0
+    return total, secs, count[0], capped[0] and count[0] < len(batches)
+
+
+class ConnectorRig:
+    """A pool directory, a BlockPool and an engine as the worker would build them."""
+
+    def __init__(self, root: str, payload: int, device: torch.device, io_threads: int, tag: str,
+                 kvd: KvikioDefaults) -> None:
+        kvd.restore()  # a fresh engine, as in a fresh process
+        self.root = root
+        fp = hashlib.sha256(f"gdskv-bench/{tag}/{os.getpid()}/{time.time_ns()}".encode()).digest()
+        self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0)
+        self.engine = make_engine("auto", device, io_threads)
+        self.device = device
+        self.payload = payload
+
+    def warm_up(self) -> None:
+        """Probe, thread pools and checksum kernels, outside every timed region."""
+        view = _rand_bytes((1, self.payload), self.device, 1)[0]
+        key = hashlib.sha256(b"warm" + os.urandom(8)).digest()
+        out = save_blocks(self.pool, self.engine, [key], [ZERO_KEY], [view])
+        if out.failed:
+            raise RuntimeError(f"warm-up save failed: {out.failed[0][1]}")
+        pins = pin_blocks(self.pool, [key])
+        try:
+            load_blocks(self.pool, self.engine, pins, [view], verify=True, retries=2,
+                        deadline=time.monotonic() + 60)
+        finally:
+            for p in pins:
+                self.pool.unpin(p)
+        with contextlib.suppress(OSError):
+            os.unlink(self.pool.path_for(key))
+        self.pool.forget(key)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], parents: list[bytes],
+                    batch_blocks: int, threads: int, budget: Budget, is_memory: bool, global_drop: bool,
+                    tracer: Tracer, label: str) -> tuple[dict, dict]:
+    pool, engine = rig.pool, rig.engine
+    n = kv.shape[0]
+    views = [kv[i] for i in range(n)]
+    saved: list[int] = []
+    lock = threading.Lock()
+
+    def do_save(idx: list[int]) -> int:
+        with tracer.rf(f"bench/save_blocks x{len(idx)}"):
+            out = save_blocks(pool, engine, [keys[i] for i in idx], [parents[i] for i in idx],
+                              [views[i] for i in idx])
+        if out.failed:
+            raise RuntimeError(f"{len(out.failed)} block saves failed (first cause: {out.failed[0][1]})")
+        with lock:
+            saved.extend(idx)
+        return out.bytes_written
+
+    batches = [list(range(i, min(n, i + batch_blocks))) for i in range(0, n, batch_blocks)]
+    _sync(rig.device)
+    with tracer.rf(f"bench/connector/{label}/save"):
+        nbytes, secs, _, capped = _run_batches(batches, do_save, threads, time.monotonic() + budget.cap())
+        t0 = time.perf_counter()
+        syncfs(rig.root)
+        sync_s = time.perf_counter() - t0
+    budget.phases_left -= 1
+    save = {"direction": "save", "blocks": len(saved), "bytes": nbytes, "seconds": round(secs, 4),
+            "syncfs_seconds": round(sync_s, 4), "returned_GBps": round(gbps(nbytes, secs), 3),
+            "GBps": round(gbps(nbytes, secs + sync_s), 3), "capped_by_time": capped}
+
+    # load what was saved, into zeroed blocks, cold from the device for a disk target
+    saved.sort()
+    kv.zero_()
+    _sync(rig.device)
+    drop = None if is_memory else drop_caches([rig.root], global_drop)
+
+    def do_load(idx: list[int]) -> int:
+        with tracer.rf(f"bench/load_blocks x{len(idx)}"):
+            pins = pin_blocks(pool, [keys[i] for i in idx])
+            try:
+                return load_blocks(pool, engine, pins, [views[i] for i in idx], verify=True, retries=2,
+                                   deadline=time.monotonic() + 120)
+            finally:
+                for p in pins:
+                    pool.unpin(p)
+
+    batches = [saved[i:i + batch_blocks] for i in range(0, len(saved), batch_blocks)]
+    with tracer.rf(f"bench/connector/{label}/load"):
+        nbytes, secs, _, capped = _run_batches(batches, do_load, threads, time.monotonic() + budget.cap())
+    budget.phases_left -= 1
+    load = {"direction": "load", "blocks": nbytes // rig.payload, "bytes": nbytes, "seconds": round(secs, 4),
+            "GBps": round(gbps(nbytes, secs), 3), "capped_by_time": capped, "cold_cache": not is_memory,
+            "drop_caches": drop}
+    return save, load
+
+
+# ----------------------------------------------------------------------------------------------
+# baselines
+# ----------------------------------------------------------------------------------------------
+def baseline_trtllm(kv: torch.Tensor, n: int, bdir: str, budget: Budget, is_memory: bool, global_drop: bool,
+                    tracer: Tracer, label: str) -> tuple[dict, dict]:
+    """TensorRT-LLM's example connector: one torch.save file per block, torch.load + copy_ back."""
+    os.makedirs(bdir, exist_ok=True)
+    cuda = kv.device.type == "cuda"
+    payload = kv.shape[1]
+    done = 0
+    _sync(kv.device)
+    deadline = time.monotonic() + budget.cap()
+    with tracer.rf(f"bench/baseline_trtllm/{label}/save"):
+        t0 = time.perf_counter()
+        for i in range(n):
+            if time.monotonic() >= deadline:
+                break
+            # .cpu() of a CUDA block copies it; of a CPU view it would be the view, and torch.save
+            # would serialize the whole pool storage, so a host pool gets clone() instead.
+            blk = kv[i].cpu() if cuda else kv[i].clone()
+            torch.save(blk, os.path.join(bdir, f"{i}.pt"))
+            done += 1
+        secs = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        syncfs(bdir)
+        sync_s = time.perf_counter() - t1
+    budget.phases_left -= 1
+    save = {"method": "trtllm_example", "direction": "save", "blocks": done, "bytes": done * payload,
+            "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
+            "returned_GBps": round(gbps(done * payload, secs), 3),
+            "GBps": round(gbps(done * payload, secs + sync_s), 3), "capped_by_time": done < n}
+    if not is_memory:
+        drop_caches([bdir], global_drop)
+    loaded = 0
+    deadline = time.monotonic() + budget.cap()
+    with tracer.rf(f"bench/baseline_trtllm/{label}/load"):
+        t0 = time.perf_counter()
+        for i in range(done):
+            if time.monotonic() >= deadline:
+                break
+            t = torch.load(os.path.join(bdir, f"{i}.pt"), map_location="cpu", weights_only=True)
+            kv[i].copy_(t)
+            loaded += 1
+        _sync(kv.device)
+        secs = time.perf_counter() - t0
+    budget.phases_left -= 1
+    load = {"method": "trtllm_example", "direction": "load", "blocks": loaded, "bytes": loaded * payload,
+            "seconds": round(secs, 4), "GBps": round(gbps(loaded * payload, secs), 3),
+            "capped_by_time": loaded < done, "cold_cache": not is_memory}
+    shutil.rmtree(bdir, ignore_errors=True)
+    return save, load
+
+
+def baseline_naive_kvikio(kv: torch.Tensor, n: int, bdir: str, budget: Budget, is_memory: bool,
+                          global_drop: bool, kvd: KvikioDefaults, tracer: Tracer, label: str) -> tuple[dict, dict]:
+    """One kvikio.CuFile per block with KvikIO's own defaults, sequential pwrite/pread(...).get()."""
+    kvikio = kvd.kv
+    kvd.restore()
+    os.makedirs(bdir, exist_ok=True)
+    payload = kv.shape[1]
+    result: dict[str, Any] = {}
+
+    def run(direction: str, count: int, cap: float) -> None:
+        deadline = time.monotonic() + cap
+        k = 0
+        t0 = time.perf_counter()
+        for i in range(count):
+            if time.monotonic() >= deadline:
+                break
+            path = os.path.join(bdir, f"{i}.bin")
+            f = kvikio.CuFile(path, "w" if direction == "save" else "r")
+            try:
+                (f.pwrite(kv[i]) if direction == "save" else f.pread(kv[i])).get()
+            finally:
+                f.close()
+            k += 1
+        _sync(kv.device)
+        result[direction] = (k, time.perf_counter() - t0)
+
+    def guarded(direction: str, count: int) -> tuple[int, float, str | None]:
+        cap = budget.cap()
+        err: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                run(direction, count, cap)
+            except BaseException as exc:  # noqa: BLE001 - reported in the row
+                err.append(exc)
+        th = threading.Thread(target=body, daemon=True, name=f"bench-naive-kvikio-{direction}")
+        th.start()
+        th.join(cap + 60)
+        if th.is_alive():
+            return 0, 0.0, f"did not finish within {cap + 60:.0f} s (left running)"
+        if err:
+            return 0, 0.0, f"{type(err[0]).__name__}: {err[0]}"
+        k, secs = result[direction]
+        return k, secs, None
+
+    _sync(kv.device)
+    with tracer.rf(f"bench/baseline_naive_kvikio/{label}/save"):
+        done, secs, error = guarded("save", n)
+        t1 = time.perf_counter()
+        syncfs(bdir)
+        sync_s = time.perf_counter() - t1
+    budget.phases_left -= 1
+    save = {"method": "naive_kvikio", "direction": "save", "blocks": done, "bytes": done * payload,
+            "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
+            "returned_GBps": round(gbps(done * payload, secs), 3),
+            "GBps": round(gbps(done * payload, secs + sync_s), 3) if done else 0.0,
+            "capped_by_time": done < n, "error": error, "kvikio_defaults": kvd.describe()}
+    if not is_memory:
+        drop_caches([bdir], global_drop)
+    with tracer.rf(f"bench/baseline_naive_kvikio/{label}/load"):
+        loaded, secs, error = guarded("load", done) if done else (0, 0.0, "nothing saved")
+    budget.phases_left -= 1
+    load = {"method": "naive_kvikio", "direction": "load", "blocks": loaded, "bytes": loaded * payload,
+            "seconds": round(secs, 4), "GBps": round(gbps(loaded * payload, secs), 3),
+            "capped_by_time": loaded < done, "cold_cache": not is_memory, "error": error}
+    shutil.rmtree(bdir, ignore_errors=True)
+    return save, load
+
+
+# ----------------------------------------------------------------------------------------------
+# executor-thread cost and match time
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def connector_env(root: str):
+    saved = {k: v for k, v in os.environ.items() if k.startswith("TLLM_GDS_KV_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ["TLLM_GDS_KV_ROOT"] = root
+    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_IO_THREADS"):  # the engine choice is the user's to force
+        if k in saved:
+            os.environ[k] = saved[k]
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("TLLM_GDS_KV_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,
+                  layers: int = 32) -> dict:
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import (ExecutorConfig, ModelShape, ReferenceExecutor, RunStats, SimRequest,
+                                            fake_llm_args)
+
+    kvd.restore()
+    prompt_blocks, new_tokens = 4, 16
+    shape = ModelShape(num_layers=layers, kv_factor=2, block_elems=512, tokens_per_block=TOKENS_PER_BLOCK)
+    cfg = ExecutorConfig(shape=shape, num_blocks=requests * (prompt_blocks + 2) + 32, max_batch=requests,
+                         device=str(device))
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(32000) for _ in range(prompt_blocks * TOKENS_PER_BLOCK + 5)] for _ in range(requests)]
+    out: dict[str, Any] = {"requests_per_batch": requests, "num_layers": layers, "block_bytes": shape.block_bytes,
+                           "prompt_tokens": len(prompts[0]), "max_new_tokens": new_tokens, "rounds": []}
+    with connector_env(root):
+        llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-executor")
+        worker = GdsKvConnectorWorker(llm_args)
+        ex = ReferenceExecutor(GdsKvConnectorScheduler(llm_args), worker, cfg)
+        try:
+            out["engine"] = worker.transfers.engine.data_path()
+            ex.stats = RunStats()  # start-up (register_kv_caches, engine probe) is not per-iteration cost
+            totals = RunStats()
+            acc: dict[str, list] = {}
+            _instrument(ex.sched, _SCHED_CALLBACKS, acc)
+            _instrument(ex.worker, _WORKER_CALLBACKS, acc)
+            for r, what in enumerate(("cold: saves only", "warm: same prompts again, loads from the pool")):
+                before = RunStats(**vars(ex.stats))
+                acc.clear()
+                for i, p in enumerate(prompts):
+                    ex.submit(SimRequest(r * 10_000 + i, p, max_new_tokens=new_tokens))
+                with tracer.rf(f"bench/executor/round{r}"):
+                    ex.run_until_done()
+                now = ex.stats
+                d = {k: getattr(now, k) - getattr(before, k) for k in vars(now)}
+                for k, v in d.items():
+                    setattr(totals, k, getattr(totals, k) + v)
+                summary = _exec_summary(d, what)
+                summary["by_callback"] = {
+                    name: {"calls": c, "total_us": round(1e6 * secs, 1), "us_per_call": round(1e6 * secs / c, 3),
+                           "us_per_iteration": round(1e6 * secs / d["iterations"], 3) if d["iterations"] else None}
+                    for name, (c, secs) in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+                out["rounds"].append(summary)
+            out.update(_exec_summary(vars(totals), "both rounds"))
+        finally:
+            worker.shutdown()
+    return out
+
+
+_SCHED_CALLBACKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                    "request_finished")
+_WORKER_CALLBACKS = ("bind_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+                     "wait_for_save", "get_finished")
+
+
+def _instrument(obj: Any, names: tuple[str, ...], acc: dict[str, list]) -> None:
+    """Per-callback time, for the breakdown only (RunStats gives the totals the goals use)."""
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                e = acc.setdefault(_name, [0, 0.0])
+                e[0] += 1
+                e[1] += time.perf_counter() - t0
+        setattr(obj, name, wrapped)
+
+
+def _exec_summary(d: dict, what: str) -> dict:
+    iters = d["iterations"]
+    busy = iters - d["idle_iterations"]
+    return {"what": what, "iterations": iters, "busy_iterations": busy, "idle_iterations": d["idle_iterations"],
+            "callback_s": round(d["callback_s"], 6),
+            "callback_us_per_iteration": round(1e6 * d["callback_s"] / iters, 3) if iters else None,
+            "callback_us_per_busy_iteration": round(1e6 * d["callback_s"] / busy, 3) if busy else None,
+            "layer_hook_calls": d["layer_hook_calls"], "layer_hook_s": round(d["layer_hook_s"], 6),
+            "layer_hook_us_per_call": (round(1e6 * d["layer_hook_s"] / d["layer_hook_calls"], 3)
+                                       if d["layer_hook_calls"] else None),
+            "loaded_tokens": d["loaded_tokens"], "async_loads": d["async_loads"], "sync_loads": d["sync_loads"],
+            "wall_s": round(d["wall_s"], 3)}
+
+
+def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefaults, tracer: Tracer,
+               time_cap_s: float) -> dict:
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.keys import base_fingerprint, chain_seed, extend_chain, tokens_to_bytes
+    from gds_kv_connector.local_peer import lookup
+    from gds_kv_connector.reference import SimRequest, fake_llm_args
+
+    kvd.restore()
+    tokens = MATCH_BLOCKS * TOKENS_PER_BLOCK + 1  # one prompt token is always left to compute
+    rng = random.Random(99)
+    prompt = [rng.randrange(32000) for _ in range(tokens)]
+    out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": MATCH_BLOCKS, "tokens_per_block": TOKENS_PER_BLOCK}
+    with connector_env(root):
+        llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-match")
+        sched, worker = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
+        try:
+            worker.register_kv_caches(torch.zeros((8, 1, 2, MATCH_BLOCK_ELEMS), dtype=torch.bfloat16, device=device))
+            sched.wait_for_initialization()
+            peer = lookup(llm_args)
+            payload = worker.pool.payload_len
+            out["block_bytes"] = payload
+            keys = extend_chain(chain_seed(base_fingerprint(peer.geometry), None), tokens_to_bytes(prompt),
+                                TOKENS_PER_BLOCK, 0, MATCH_BLOCKS)
+            data = _rand_bytes((MATCH_BLOCKS, payload), device, 5)
+            t0 = time.perf_counter()
+            with tracer.rf("bench/match/build_pool"):
+                for i in range(0, MATCH_BLOCKS, 512):
+                    o = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
+                                    [keys[j - 1] if j else ZERO_KEY for j in range(i, min(MATCH_BLOCKS, i + 512))],
+                                    [data[j] for j in range(i, min(MATCH_BLOCKS, i + 512))])
+                    if o.failed:
+                        raise RuntimeError(f"building the match pool: {len(o.failed)} saves failed ({o.failed[0][1]})")
+            out["build_s"] = round(time.perf_counter() - t0, 3)
+            times: list[float] = []
+            rid = 1_000_000
+            deadline = time.monotonic() + time_cap_s
+            with tracer.rf("bench/match/calls"):
+                while len(times) < 3 or (len(times) < 30 and time.monotonic() < deadline):
+                    req = SimRequest(rid, prompt)
+                    req.tokens = list(prompt)
+                    t0 = time.perf_counter()
+                    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+                    times.append(time.perf_counter() - t0)
+                    sched.request_reset(req)
+                    rid += 1
+                    if matched != MATCH_BLOCKS * TOKENS_PER_BLOCK:
+                        raise RuntimeError(f"fully cached prompt matched {matched} tokens, expected "
+                                           f"{MATCH_BLOCKS * TOKENS_PER_BLOCK}")
+            comp: dict[str, float] = {}
+            t0 = time.perf_counter()
+            tb = tokens_to_bytes(prompt)
+            comp["tokens_to_bytes_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            t0 = time.perf_counter()
+            extend_chain(chain_seed(base_fingerprint(peer.geometry), None), tb, TOKENS_PER_BLOCK, 0, MATCH_BLOCKS)
+            comp["extend_chain_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            worker.pool.count_present(keys)
+            t0 = time.perf_counter()
+            worker.pool.count_present(keys)
+            comp["count_present_warm_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            out["components"] = comp
+            warm = sorted(times[1:])
+            out.update({"first_call_ms": round(times[0] * 1e3, 3), "warm_calls": len(warm),
+                        "warm_median_ms": round(warm[len(warm) // 2] * 1e3, 3),
+                        "warm_min_ms": round(warm[0] * 1e3, 3), "warm_max_ms": round(warm[-1] * 1e3, 3),
+                        "is_async": bool(is_async), "index_ttl_s": worker.pool.index_ttl_s,
+                        "note": "first call stats every block file; later calls hit the index (warm)"})
+        finally:
+            worker.shutdown()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# overlap with GPU compute
+# ----------------------------------------------------------------------------------------------
+def overlap(root: str, device: torch.device, io_threads: int, threads: int, block: int, kvd: KvikioDefaults,
+            target_s: float, tracer: Tracer) -> dict:
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    stream = torch.cuda.Stream(device)
+
+    def compute(k: int) -> tuple[float, float]:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for _ in range(k):
+                torch.mm(a, b, out=c)
+            end.record(stream)
+        end.synchronize()
+        return time.perf_counter() - t0, start.elapsed_time(end) / 1e3
+
+    compute(5)
+    per = compute(20)[0] / 20
+    k = int(min(20000, max(20, target_s / per)))
+    rig = ConnectorRig(os.path.join(root, "overlap"), block, device, io_threads, "overlap", kvd)
+    per_thread = max(2, (256 * MiB) // block)
+    kv = _rand_bytes((threads * per_thread, block), device, 11)
+    stop = threading.Event()
+    moved = [0]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    started = threading.Barrier(threads + 1)
+    try:
+        rig.warm_up()
+        with tracer.rf("bench/overlap/compute_alone"):
+            alone = [compute(k) for _ in range(2)]
+
+        def xfer(t: int) -> None:
+            views = [kv[t * per_thread + j] for j in range(per_thread)]
+            gen = 0
+            with contextlib.suppress(threading.BrokenBarrierError):
+                started.wait()
+            try:
+                while not stop.is_set():
+                    keys = [hashlib.sha256(f"ov/{t}/{gen}/{j}".encode()).digest() for j in range(per_thread)]
+                    gen += 1
+                    with tracer.rf(f"bench/save_blocks x{per_thread}"):
+                        o = save_blocks(rig.pool, rig.engine, keys, [ZERO_KEY] * per_thread, views)
+                    if o.failed:
+                        raise RuntimeError(f"overlap save failed: {o.failed[0][1]}")
+                    with tracer.rf(f"bench/load_blocks x{per_thread}"):
+                        pins = pin_blocks(rig.pool, keys)
+                        try:
+                            load_blocks(rig.pool, rig.engine, pins, views, verify=True, retries=2,
+                                        deadline=time.monotonic() + 120)
+                        finally:
+                            for p in pins:
+                                rig.pool.unpin(p)
+                    for key in keys:
+                        with contextlib.suppress(OSError):
+                            os.unlink(rig.pool.path_for(key))
+                        rig.pool.forget(key)
+                    with lock:
+                        moved[0] += 2 * per_thread * block
+            except BaseException as exc:  # noqa: BLE001 - reported
+                errors.append(exc)
+
+        ths = [threading.Thread(target=xfer, args=(t,), daemon=True) for t in range(threads)]
+        for th in ths:
+            th.start()
+        started.wait()
+        time.sleep(0.2)  # transfers in full flight before the clock starts
+        m0 = moved[0]
+        with tracer.rf("bench/overlap/compute_with_transfers"):
+            wall, gpu = compute(k)
+        m1 = moved[0]
+        stop.set()
+        for th in ths:
+            th.join(120)
+        with tracer.rf("bench/overlap/compute_alone_after"):
+            alone.append(compute(k))
+    finally:
+        stop.set()
+        rig.close()
+        shutil.rmtree(rig.root, ignore_errors=True)
+    if errors:
+        raise errors[0]
+    alone_wall = min(x[0] for x in alone)
+    alone_gpu = min(x[1] for x in alone)
+    return {"matmul": f"bf16 {n}x{n} @ {n}x{n}", "iterations": k, "alone_s": round(alone_wall, 4),
+            "alone_gpu_s": round(alone_gpu, 4), "with_transfers_s": round(wall, 4),
+            "with_transfers_gpu_s": round(gpu, 4),
+            "slowdown_pct": round(100.0 * (wall / alone_wall - 1.0), 2),
+            "slowdown_gpu_pct": round(100.0 * (gpu / alone_gpu - 1.0), 2),
+            "transfer_block_bytes": block, "transfer_threads": threads, "engine": rig.engine.data_path(),
+            "bytes_moved_during_compute": m1 - m0, "transfer_GBps_during_compute": round(gbps(m1 - m0, wall), 3),
+            "target_dir": root}
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def ceiling_for(res: dict, target: str, direction: str) -> tuple[float | None, str]:
+    pinned = res["ceilings"].get("pinned_copy")
+    raw = res["ceilings"]["storage"].get(target) or {}
+    rw = "write" if direction == "save" else "read"
+    raw_bw = (raw.get(rw) or {}).get("best_GBps")
+    if res["targets_info"][target]["memory"]:
+        if pinned:
+            key = "d2h_GBps" if direction == "save" else "h2d_GBps"
+            return pinned.get(key), f"pinned {key[:3].upper()}"
+        return raw_bw, f"host {rw} ({raw.get('io', '?')})"
+    return raw_bw, f"raw {rw} ({'O_DIRECT' if raw.get('o_direct') else 'buffered'})"
+
+
+def _find(rows: list[dict], **kw) -> dict | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def compute_ratios(res: dict) -> None:
+    for row in res["connector"]:
+        ceil, what = ceiling_for(res, row["target"], row["direction"])
+        row["ceiling_GBps"], row["ceiling"] = ceil, what
+        row["ratio_to_ceiling"] = round(row["GBps"] / ceil, 4) if ceil else None
+        for method in ("trtllm_example", "naive_kvikio"):
+            b = _find(res["baselines"], method=method, target=row["target"], block_bytes=row["block_bytes"],
+                      direction=row["direction"])
+            row[f"x_{method}"] = round(row["GBps"] / b["GBps"], 3) if b and b.get("GBps") else None
+
+
+def evaluate_goals(res: dict) -> list[dict]:
+    goals: list[dict] = []
+
+    def add(name: str, goal: str, measured: str, ok: bool | None, why: str = "") -> None:
+        goals.append({"goal": name, "target": goal, "measured": measured,
+                      "status": "n/a" if ok is None else ("PASS" if ok else "MISS"), "note": why})
+
+    conn = res["connector"]
+    mem = [t for t, info in res["targets_info"].items() if info["memory"]]
+    disk = [t for t, info in res["targets_info"].items() if not info["memory"]]
+    pinned = res["ceilings"].get("pinned_copy")
+    ceil_note = "" if pinned else "no CUDA: ceiling is host-memory bandwidth of the tmpfs target"
+
+    def worst(rows: list[dict], key: str) -> tuple[dict | None, float | None]:
+        rows = [r for r in rows if r.get(key) is not None]
+        if not rows:
+            return None, None
+        r = min(rows, key=lambda r: r[key])
+        return r, r[key]
+
+    def label(r: dict) -> str:
+        return f"{r['target']} {r['direction']} {fmt_size(r['block_bytes'])}"
+
+    for name, lo, hi, g in (("host-memory pool >=1MiB vs pinned-copy ceiling", MiB, None, GOALS["host_ge1m_vs_pinned"]),
+                            ("host-memory pool 256KiB vs pinned-copy ceiling", 0, MiB, GOALS["host_256k_vs_pinned"])):
+        rows = [r for r in conn if r["target"] in mem and r["block_bytes"] >= lo and (hi is None or r["block_bytes"] < hi)]
+        r, v = worst(rows, "ratio_to_ceiling")
+        add(name, f">= {g:.0%} both directions", f"worst {v:.0%} ({label(r)})" if r else "not measured",
+            None if r is None else v >= g, ceil_note)
+    r, v = worst([x for x in conn if x["target"] in disk], "ratio_to_ceiling")
+    add("disk pool vs raw O_DIRECT ceiling", f">= {GOALS['disk_vs_raw']:.0%} both directions, every size",
+        f"worst {v:.0%} ({label(r)})" if r else "not measured", None if r is None else v >= GOALS["disk_vs_raw"],
+        "saves counted until syncfs returns (bytes on the device)")
+    r, v = worst([x for x in conn if x["target"] in mem], "x_trtllm_example")
+    add("vs TensorRT-LLM example path (host-memory pool)", f">= {GOALS['host_vs_trtllm_x']:g}x every size",
+        f"worst {v:.1f}x ({label(r)})" if r else "not measured",
+        None if r is None else v >= GOALS["host_vs_trtllm_x"])
+    r, v = worst(conn, "x_naive_kvikio")
+    add("vs naive KvikIO", "> 1x every size, target and direction",
+        f"worst {v:.2f}x ({label(r)})" if r else "not measured", None if r is None else v > 1.0,
+        "" if r else "needs CUDA and KvikIO")
+    ex = res.get("executor") or {}
+    if ex.get("callback_us_per_iteration") is not None:
+        cb, hook = ex["callback_us_per_iteration"], ex["layer_hook_us_per_call"]
+        per_round = "; ".join(f"round {i}: {x['callback_us_per_iteration']:.1f} us/iter, "
+                              f"{x['layer_hook_us_per_call']:.2f} us/hook" for i, x in enumerate(ex["rounds"]))
+        add("executor callbacks per iteration", f"<= {GOALS['exec_callback_us_per_iter']:g} us avg",
+            f"{cb:.1f} us ({per_round})", cb <= GOALS["exec_callback_us_per_iter"])
+        add("executor per layer hook", f"<= {GOALS['exec_layer_hook_us']:g} us",
+            f"{hook:.2f} us", hook <= GOALS["exec_layer_hook_us"],
+            "round 1 includes synchronous loads waited for in layer 0's hook")
+    else:
+        add("executor callbacks", "<= 100 us/iter, <= 5 us/hook", "not measured", None)
+    m = res.get("match") or {}
+    if m.get("warm_median_ms") is not None:
+        add("128k-token prompt match (warm index)", f"<= {GOALS['match_128k_ms']:g} ms",
+            f"median {m['warm_median_ms']:.2f} ms (min {m['warm_min_ms']:.2f}, first {m['first_call_ms']:.1f})",
+            m["warm_median_ms"] <= GOALS["match_128k_ms"])
+    else:
+        add("128k-token prompt match", "<= 5 ms", "not measured", None)
+    ov = res.get("overlap") or {}
+    if ov.get("slowdown_pct") is not None:
+        add("compute slowdown with transfers", f"<= {GOALS['overlap_slowdown_pct']:g}%",
+            f"{ov['slowdown_pct']:.1f}% wall ({ov['slowdown_gpu_pct']:.1f}% GPU time) at "
+            f"{ov['transfer_GBps_during_compute']:.1f} GB/s", ov["slowdown_pct"] <= GOALS["overlap_slowdown_pct"])
+    else:
+        add("compute slowdown with transfers", "<= 5%", ov.get("skipped", "not measured"), None)
+    return goals
+
+
+def render_table(res: dict) -> str:
+    L: list[str] = []
+    meta = res["meta"]
+    L.append(f"gds-kv-connector bench  host={meta['hostname']}  commit={(meta['git']['commit'] or '?')[:12]}"
+             f"{' (dirty)' if meta['git'].get('dirty') else ''}  device={meta['device']}  "
+             f"torch={meta['versions']['torch']}  kvikio={meta['versions']['kvikio']}  cupy={meta['versions']['cupy']}")
+    for t, info in res["targets_info"].items():
+        L.append(f"  target {t}: {info['dir']} ({info['fs']}); engine: {info.get('engine_data_path', '?')}")
+    L.append("")
+    L.append("Ceilings (GB/s = 1e9 B/s)")
+    p = res["ceilings"].get("pinned_copy")
+    if p:
+        L.append(f"  pinned copy          H2D {p['h2d_GBps']:8.2f}   D2H {p['d2h_GBps']:8.2f}")
+    else:
+        L.append("  pinned copy          (no CUDA)")
+    for t, r in res["ceilings"]["storage"].items():
+        w, rd = r.get("write", {}), r.get("read", {})
+        L.append(f"  raw {t:<6} {r['io'][:30]:<30} write {w.get('best_GBps', 0):7.2f} (x{w.get('best_streams', '?')})"
+                 f"   read {rd.get('best_GBps', 0):7.2f} (x{rd.get('best_streams', '?')})")
+    L.append("")
+    hdr = (f"  {'target':<6} {'dir':<4} {'block':>6} {'conn':>8} {'ceiling':>8} {'%ceil':>6} "
+           f"{'trtllm':>8} {'x':>7} {'kvikio':>8} {'x':>6}  notes")
+    L.append("Connector (block_io + make_engine('auto'), checksums on) vs ceiling and baselines, GB/s")
+    L.append(hdr)
+    for r in res["connector"]:
+        trt = _find(res["baselines"], method="trtllm_example", target=r["target"], block_bytes=r["block_bytes"],
+                    direction=r["direction"])
+        kvi = _find(res["baselines"], method="naive_kvikio", target=r["target"], block_bytes=r["block_bytes"],
+                    direction=r["direction"])
+        notes = []
+        if r["direction"] == "save" and r.get("returned_GBps"):
+            notes.append(f"returned {r['returned_GBps']:.2f}")
+        if r.get("capped_by_time"):
+            notes.append("time-capped")
+        if r.get("cold_cache"):
+            notes.append("cold")
+        ceil = r.get("ceiling_GBps")
+        L.append(f"  {r['target']:<6} {r['direction']:<4} {fmt_size(r['block_bytes']):>6} {r['GBps']:8.2f} "
+                 f"{ceil if ceil is not None else float('nan'):8.2f} "
+                 f"{(100 * r['ratio_to_ceiling']) if r.get('ratio_to_ceiling') is not None else float('nan'):5.0f}% "
+                 f"{trt['GBps'] if trt else float('nan'):8.3f} "
+                 f"{r['x_trtllm_example'] if r.get('x_trtllm_example') is not None else float('nan'):7.1f} "
+                 f"{kvi['GBps'] if kvi else float('nan'):8.3f} "
+                 f"{r['x_naive_kvikio'] if r.get('x_naive_kvikio') is not None else float('nan'):6.2f}  "
+                 f"{', '.join(notes)}")
+    L.append("  (save GB/s counts until syncfs returns; 'returned' = when save_blocks returned, data maybe "
+             "still in the page cache)")
+    ex = res.get("executor") or {}
+    L.append("")
+    if ex.get("callback_us_per_iteration") is not None:
+        L.append(f"Executor thread ({ex['requests_per_batch']}-request batch, {ex['num_layers']} layers): "
+                 f"{ex['callback_us_per_iteration']:.1f} us/iteration over {ex['iterations']} iterations "
+                 f"({ex['callback_us_per_busy_iteration']:.1f} us per busy iteration), "
+                 f"{ex['layer_hook_us_per_call']:.2f} us per layer hook ({ex['layer_hook_calls']} calls)")
+        for i, x in enumerate(ex["rounds"]):
+            L.append(f"  round {i} ({x['what']}): {x['callback_us_per_iteration']:.1f} us/iter, "
+                     f"{x['layer_hook_us_per_call']:.2f} us/hook, {x['iterations']} iterations "
+                     f"({x['idle_iterations']} idle), loaded {x['loaded_tokens']} tokens")
+            top = list(x.get("by_callback", {}).items())[:4]
+            if top:
+                L.append("    " + ", ".join(f"{n} {v['us_per_iteration']:.0f} us/iter ({v['us_per_call']:.1f} us/call)"
+                                            for n, v in top))
+    else:
+        L.append(f"Executor thread: {ex.get('error', 'not measured')}")
+    m = res.get("match") or {}
+    if m.get("warm_median_ms") is not None:
+        L.append(f"Match of a fully cached {m['prompt_tokens']}-token prompt ({m['blocks']} blocks): "
+                 f"median {m['warm_median_ms']:.2f} ms warm (min {m['warm_min_ms']:.2f}, max {m['warm_max_ms']:.2f}, "
+                 f"{m['warm_calls']} calls); first call {m['first_call_ms']:.1f} ms")
+        c = m.get("components") or {}
+        if c:
+            L.append(f"  parts: tokens_to_bytes {c['tokens_to_bytes_ms']:.2f} ms, key chain {c['extend_chain_ms']:.2f} ms, "
+                     f"index lookups {c['count_present_warm_ms']:.2f} ms")
+    else:
+        L.append(f"Match: {m.get('error', 'not measured')}")
+    ov = res.get("overlap") or {}
+    if ov.get("slowdown_pct") is not None:
+        L.append(f"Overlap: {ov['matmul']} x{ov['iterations']}: alone {ov['alone_s']:.3f} s, with transfers "
+                 f"{ov['with_transfers_s']:.3f} s -> slowdown {ov['slowdown_pct']:.1f}% "
+                 f"(GPU time {ov['slowdown_gpu_pct']:.1f}%), transfers {ov['transfer_GBps_during_compute']:.2f} GB/s")
+    else:
+        L.append(f"Overlap: {ov.get('skipped') or ov.get('error') or 'not measured'}")
+    L.append("")
+    L.append("Goals (reported, never asserted)")
+    for g in res["goals"]:
+        L.append(f"  [{g['status']:>4}] {g['goal']}: {g['measured']}  (goal {g['target']})"
+                 f"{'  - ' + g['note'] if g['note'] else ''}")
+    if res["errors"]:
+        L.append("")
+        L.append("Errors")
+        for e in res["errors"]:
+            L.append(f"  {e}")
+    return "\n".join(L)
+
+
+def plot(res: dict, path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001 - optional
+        return f"plot skipped: matplotlib not importable ({type(exc).__name__})"
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=False)
+    colors = {}
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for ax, direction in zip(axes, ("save", "load")):
+        for t in res["targets_info"]:
+            col = colors.setdefault(t, palette[len(colors) % len(palette)])
+            rows = sorted((r for r in res["connector"] if r["target"] == t and r["direction"] == direction),
+                          key=lambda r: r["block_bytes"])
+            if rows:
+                ax.plot([r["block_bytes"] / MiB for r in rows], [r["GBps"] for r in rows], "o-", color=col,
+                        label=f"connector {t}")
+            for method, style in (("trtllm_example", "s--"), ("naive_kvikio", "^:")):
+                b = sorted((r for r in res["baselines"] if r["target"] == t and r["direction"] == direction
+                            and r["method"] == method and r.get("GBps")), key=lambda r: r["block_bytes"])
+                if b:
+                    ax.plot([r["block_bytes"] / MiB for r in b], [r["GBps"] for r in b], style, color=col,
+                            alpha=0.7, label=f"{method} {t}")
+            ceil, what = ceiling_for(res, t, direction)
+            if ceil:
+                ax.axhline(ceil, color=col, lw=0.8, ls="-.", alpha=0.6, label=f"ceiling {t}: {what}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        sizes = sorted({r["block_bytes"] for r in res["connector"]})
+        if sizes:
+            ax.set_xticks([b / MiB for b in sizes], [fmt_size(b) for b in sizes])
+            ax.minorticks_off()
+        ax.set_xlabel("block size (MiB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{direction} ({res['meta']['device']})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"gds-kv-connector bench, {res['meta']['hostname']}, {(res['meta']['git']['commit'] or '?')[:12]}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gds-kv bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small run for CPU tests: ~64 MiB per phase, 2 sizes")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the KV pool lives")
+    p.add_argument("--sizes", help=f"block sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
+    p.add_argument("--total-mib", type=float, help="bytes per connector phase per size (default 1536 on GPU, "
+                   "256 on CPU, 64 with --quick)")
+    p.add_argument("--baseline-mib", type=float, help="bytes per baseline phase (default 512, 32 with --quick)")
+    p.add_argument("--raw-mib", type=float, help="bytes per raw-storage test (default 1024, 32 with --quick)")
+    p.add_argument("--streams", help="parallel streams of the raw-storage tests (default 1,2,4,8,16; --quick 1,2,4)")
+    p.add_argument("--shm-dir", help="host-memory target directory (default /dev/shm/gdskv-bench-PID, or a tmp dir)")
+    p.add_argument("--disk-dir", help="disk target directory (default ./bench-pool)")
+    p.add_argument("--targets", default="shm,disk", help="which targets to run: shm, disk or both")
+    p.add_argument("--io-threads", type=int, default=16, help="engine I/O threads (TLLM_GDS_KV_IO_THREADS default)")
+    p.add_argument("--transfer-threads", type=int, default=4, help="concurrent batches, like the connector's "
+                   "transfer threads (TLLM_GDS_KV_TRANSFER_THREADS default)")
+    p.add_argument("--batch-mib", type=float, default=64, help="bytes per save/load batch (one block at least)")
+    p.add_argument("--phase-s", type=float, help="time cap per phase (default 10 s, 6 s with --quick)")
+    p.add_argument("--budget-s", type=float, help="time budget of the whole run (default 420 s, 150 s with --quick)")
+    p.add_argument("--overlap-s", type=float, default=1.5, help="duration of the compute loop (CUDA only)")
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--no-executor", action="store_true")
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--no-drop-caches", action="store_true", help="never write /proc/sys/vm/drop_caches "
+                   "(posix_fadvise DONTNEED is still used on the files read)")
+    p.add_argument("--json", help="result file (default profiling/results/bench-<host>.json)")
+    p.add_argument("--png", help="plot file (default: the JSON path with .png)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run (torch.profiler) to this file")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the target directories' bench files")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    elif args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("gds-kv bench: --device cuda but CUDA is not available", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    cuda = device.type == "cuda"
+    quick = args.quick
+    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES)).split(",") if s]
+    total = int((args.total_mib or (64 if quick else (1536 if cuda else 256))) * MiB)
+    base_total = int((args.baseline_mib or (32 if quick else 512)) * MiB)
+    raw_total = int((args.raw_mib or (32 if quick else 1024)) * MiB)
+    streams = [int(s) for s in (args.streams or ("1,2,4" if quick else "1,2,4,8,16")).split(",") if s]
+    budget = Budget(args.budget_s or (150 if quick else 420), args.phase_s or (6 if quick else 10))
+    global_drop = not args.no_drop_caches
+    host = socket.gethostname()
+    json_path = args.json or os.path.join(_HERE, "results", f"bench-{host}.json")
+    png_path = args.png or (os.path.splitext(json_path)[0] + ".png")
+    want = [t.strip() for t in args.targets.split(",") if t.strip()]
+
+    # target directories
+    made: list[str] = []
+    targets: dict[str, dict] = {}
+    # Every target gets a fresh subdirectory of its own, removed at the end; the given directories
+    # themselves are never removed (only their bench-pool default, when this run created it).
+    if "shm" in want:
+        if args.shm_dir:
+            base = os.path.abspath(args.shm_dir)
+        elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+            base = "/dev/shm"
+        else:
+            base = tempfile.gettempdir()
+        targets["shm"] = {"dir": os.path.join(base, f"gdskv-bench-{os.getpid()}"), "memory": True}
+    if "disk" in want:
+        base = os.path.abspath(args.disk_dir or "bench-pool")
+        targets["disk"] = {"dir": os.path.join(base, f"gdskv-bench-{os.getpid()}"), "memory": False,
+                           "parent": base if not args.disk_dir else None, "parent_existed": os.path.isdir(base)}
+    for t, info in targets.items():
+        os.makedirs(info["dir"], exist_ok=True)
+        made.append(info["dir"])
+        info["fs"] = fs_type(info["dir"])
+        if info["memory"] and info["fs"] not in ("tmpfs", "ramfs"):
+            info["note"] = f"host-memory target is on {info['fs']}, not tmpfs"
+
+    kvd = KvikioDefaults()
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                "numpy": _opt_version("numpy"), "kvikio": _opt_version("kvikio"), "cupy": _opt_version("cupy"),
+                "nvtx": _opt_version("nvtx"), "matplotlib": _opt_version("matplotlib")}
+    res: dict[str, Any] = {
+        "meta": {"hostname": host, "git": git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "device": torch.cuda.get_device_name(device) if cuda else "cpu", "pool_device": str(device),
+                 "cpu_count": os.cpu_count(), "kernel": platform.release(), "versions": versions,
+                 "kvikio_defaults_at_start": kvd.describe(), "argv": list(argv) if argv is not None else sys.argv[1:],
+                 "env": {k: v for k, v in os.environ.items() if k.startswith(("KVIKIO_", "CUFILE_", "TLLM_GDS_KV_"))}},
+        "config": {"quick": quick, "sizes": sizes, "bytes_per_connector_phase": total,
+                   "bytes_per_baseline_phase": base_total, "bytes_per_raw_test": raw_total, "streams": streams,
+                   "io_threads": args.io_threads, "transfer_threads": args.transfer_threads,
+                   "batch_bytes": int(args.batch_mib * MiB), "phase_cap_s": budget.phase_cap,
+                   "budget_s": budget.total, "checksums": True, "drop_caches_global": global_drop},
+        "units": {"GBps": "1e9 bytes per second", "seconds": "wall-clock seconds", "bytes": "bytes",
+                  "us": "microseconds", "ms": "milliseconds", "pct": "percent"},
+        "targets_info": targets, "ceilings": {"pinned_copy": None, "storage": {}}, "baselines": [], "connector": [],
+        "executor": None, "match": None, "overlap": None, "errors": [], "notes": [],
+    }
+
+    has_kvikio = cuda and kvd.kv is not None
+    n_methods = (0 if args.no_baselines else 1 + int(has_kvikio))
+    budget.phases_left = (1 + len(targets) * len(streams) * 2 + len(targets) * len(sizes) * 2 * (1 + n_methods)
+                          + (0 if args.no_executor else 2) + (1 if cuda and not args.no_overlap else 0))
+    steps = (int(cuda) + len(targets) + len(targets) * len(sizes) + (0 if args.no_executor else 2)
+             + (1 if cuda and not args.no_overlap else 0))
+    bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, desc="bench", unit="phase", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+
+    marks: list[tuple[str, float]] = []
+
+    def progress(msg: str) -> None:
+        marks.append((msg, time.monotonic()))
+        if bar is not None:
+            bar.set_postfix_str(msg[:40], refresh=True)
+        elif not args.no_progress:
+            print(f"[bench {time.monotonic() - budget.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def step_done() -> None:
+        if bar is not None:
+            bar.update(1)
+
+    def guarded(what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - one failed phase must not lose the others
+            import traceback
+            res["errors"].append(f"{what}: {type(exc).__name__}: {exc}")
+            traceback.print_exc(file=sys.stderr)
+            return None
+
+    rc = 0
+    try:
+        with Tracer(args.trace, cuda) as tracer:
+            # -- ceilings
+            if cuda:
+                progress("pinned copy ceiling")
+                res["ceilings"]["pinned_copy"] = guarded("pinned copy", lambda: pinned_copy_ceiling(device, quick, tracer))
+                budget.phases_left -= 1
+                step_done()
+            for t, info in targets.items():
+                r = guarded(f"raw storage {t}", lambda: raw_storage_ceiling(
+                    t, info["dir"], streams, raw_total, budget, global_drop, info["memory"], tracer, progress))
+                res["ceilings"]["storage"][t] = r or {"io": "failed", "write": {}, "read": {}}
+                step_done()
+
+            # -- connector and baselines, per target and size
+            for t, info in targets.items():
+                for size in sizes:
+                    label = f"{t}/{fmt_size(size)}"
+                    progress(f"connector {label}")
+                    fsize = file_size_for(size)
+                    n = max(4, total // size)
+                    free = shutil.disk_usage(info["dir"]).free
+                    if n * fsize > 0.45 * free:
+                        n2 = max(2, int(0.45 * free) // fsize)
+                        res["notes"].append(f"{label}: {n} blocks do not fit in {free >> 20} MiB free; using {n2}")
+                        n = n2
+                    nb = max(4, min(n, base_total // size))
+
+                    def one_size() -> None:
+                        kv = _rand_bytes((n, size), device, size)
+                        rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
+                                           args.io_threads, label, kvd)
+                        try:
+                            rig.warm_up()
+                            info["engine_data_path"] = rig.engine.data_path()
+                            keys = [hashlib.sha256(f"{label}/{time.time_ns()}/{i}".encode()).digest()
+                                    for i in range(n)]
+                            parents = [ZERO_KEY] + keys[:-1]
+                            batch = max(1, int(args.batch_mib * MiB) // size)
+                            save, load = connector_phase(rig, kv, keys, parents, batch, args.transfer_threads,
+                                                         budget, info["memory"], global_drop, tracer, label)
+                            for row in (save, load):
+                                row.update({"target": t, "block_bytes": size, "engine": rig.engine.data_path(),
+                                            "batch_blocks": batch, "transfer_threads": args.transfer_threads,
+                                            "io_threads": args.io_threads, "checksums": True})
+                                res["connector"].append(row)
+                        finally:
+                            rig.close()
+                            if not args.keep:
+                                shutil.rmtree(rig.root, ignore_errors=True)
+                        if not args.no_baselines:
+                            progress(f"trtllm example {label}")
+                            rows = guarded(f"trtllm baseline {label}", lambda: baseline_trtllm(
+                                kv, nb, os.path.join(info["dir"], "baseline-trtllm"), budget, info["memory"],
+                                global_drop, tracer, label))
+                            for row in rows or ():
+                                row.update({"target": t, "block_bytes": size})
+                                res["baselines"].append(row)
+                            if has_kvikio:
+                                progress(f"naive kvikio {label}")
+                                rows = guarded(f"naive kvikio baseline {label}", lambda: baseline_naive_kvikio(
+                                    kv, nb, os.path.join(info["dir"], "baseline-kvikio"), budget, info["memory"],
+                                    global_drop, kvd, tracer, label))
+                                for row in rows or ():
+                                    row.update({"target": t, "block_bytes": size})
+                                    res["baselines"].append(row)
+                        del kv
+
+                    guarded(f"connector {label}", one_size)
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    step_done()
+            if not has_kvikio and not args.no_baselines:
+                res["notes"].append("naive KvikIO baseline skipped: " + ("no CUDA" if not cuda else "kvikio not importable"))
+
+            # -- executor thread
+            exec_root = targets.get("shm", next(iter(targets.values()), {"dir": tempfile.mkdtemp()}))["dir"]
+            if not args.no_executor:
+                progress("executor cost")
+                with tracer.rf("bench/executor"):
+                    res["executor"] = guarded("executor cost", lambda: executor_cost(
+                        os.path.join(exec_root, "exec-pool"), device, kvd, tracer)) or {"error": "failed"}
+                budget.phases_left -= 1
+                step_done()
+                progress("128k match")
+                with tracer.rf("bench/match"):
+                    res["match"] = guarded("match time", lambda: match_time(
+                        os.path.join(exec_root, "match-pool"), device, args.io_threads, kvd, tracer,
+                        budget.cap(5.0))) or {"error": "failed"}
+                budget.phases_left -= 1
+                step_done()
+                for d in ("exec-pool", "match-pool"):
+                    shutil.rmtree(os.path.join(exec_root, d), ignore_errors=True)
+
+            # -- overlap
+            if cuda and not args.no_overlap:
+                progress("overlap")
+                blk = max([s for s in sizes if s <= 4 * MiB] or [min(sizes)])
+                with tracer.rf("bench/overlap"):
+                    res["overlap"] = guarded("overlap", lambda: overlap(
+                        exec_root, device, args.io_threads, args.transfer_threads, blk, kvd,
+                        min(args.overlap_s, max(0.5, budget.left() / 4)), tracer)) or {"error": "failed"}
+                budget.phases_left -= 1
+                step_done()
+            else:
+                res["overlap"] = {"skipped": "no CUDA device" if not cuda else "--no-overlap"}
+    finally:
+        if bar is not None:
+            bar.close()
+        if not args.keep:
+            for t, info in targets.items():
+                shutil.rmtree(info["dir"], ignore_errors=True)
+                parent = info.get("parent")
+                if parent and not info.get("parent_existed"):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(parent)
+
+    res["meta"]["wall_s"] = round(time.monotonic() - budget.t0, 2)
+    ends = [t for _, t in marks[1:]] + [time.monotonic()]
+    res["meta"]["phase_seconds"] = [[m, round(e - t, 3)] for (m, t), e in zip(marks, ends)]
+    compute_ratios(res)
+    res["goals"] = evaluate_goals(res)
+    if args.trace:
+        res["meta"]["trace"] = os.path.abspath(args.trace)
+        res["notes"].append("measured with torch.profiler tracing on: numbers include its overhead")
+    res["meta"]["plot"] = plot(res, png_path)
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)) or ".", exist_ok=True)
+    with open(json_path, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    print(render_table(res))
+    for note in res["notes"]:
+        print(f"note: {note}")
+    print(f"\nJSON: {os.path.abspath(json_path)}")
+    print(f"plot: {res['meta']['plot']}")
+    if args.trace:
+        print(f"trace: {os.path.abspath(args.trace)}")
+    print(f"wall: {res['meta']['wall_s']} s")
+    if res["errors"]:
+        rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
