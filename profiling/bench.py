@@ -224,7 +224,12 @@ class Tracer:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if cuda:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False)
+            kw: dict[str, Any] = {}
+            try:  # the per-batch ranges run on transfer threads, which Kineto skips unless told
+                kw["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            except (AttributeError, TypeError):
+                pass
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False, **kw)
 
     def rf(self, name: str):
         return torch.profiler.record_function(name) if self.prof is not None else contextlib.nullcontext()
@@ -1221,7 +1226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--io-threads", type=int, default=16, help="engine I/O threads (TLLM_GDS_KV_IO_THREADS default)")
     p.add_argument("--transfer-threads", type=int, default=4, help="concurrent batches, like the connector's "
                    "transfer threads (TLLM_GDS_KV_TRANSFER_THREADS default)")
-    p.add_argument("--batch-mib", type=float, default=64, help="bytes per save/load batch (one block at least)")
+    p.add_argument("--batch-mib", type=float, help="bytes per save/load batch, one block at least (default 64, "
+                   "8 with --quick so several transfer threads take part)")
     p.add_argument("--phase-s", type=float, help="time cap per phase (default 10 s, 6 s with --quick)")
     p.add_argument("--budget-s", type=float, help="time budget of the whole run (default 420 s, 150 s with --quick)")
     p.add_argument("--overlap-s", type=float, default=1.5, help="duration of the compute loop (CUDA only)")
@@ -1233,12 +1239,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="result file (default profiling/results/bench-<host>.json)")
     p.add_argument("--png", help="plot file (default: the JSON path with .png)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run (torch.profiler) to this file")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(otherwise)")
     p.add_argument("--keep", action="store_true", help="keep the target directories' bench files")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        argv = list(argv)
+        if argv[:1] == ["--"]:  # `gds-kv bench -- --quick ...` forwards the separator too
+            argv = argv[1:]
     args = build_parser().parse_args(argv)
     if args.device == "auto":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -1255,6 +1266,7 @@ def main(argv: list[str] | None = None) -> int:
     total = int((args.total_mib or (64 if quick else (1536 if cuda else 256))) * MiB)
     base_total = int((args.baseline_mib or (32 if quick else 512)) * MiB)
     raw_total = int((args.raw_mib or (32 if quick else 1024)) * MiB)
+    batch_bytes = int((args.batch_mib or (8 if quick else 64)) * MiB)
     streams = [int(s) for s in (args.streams or ("1,2,4" if quick else "1,2,4,8,16")).split(",") if s]
     budget = Budget(args.budget_s or (150 if quick else 420), args.phase_s or (6 if quick else 10))
     global_drop = not args.no_drop_caches
@@ -1300,7 +1312,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"quick": quick, "sizes": sizes, "bytes_per_connector_phase": total,
                    "bytes_per_baseline_phase": base_total, "bytes_per_raw_test": raw_total, "streams": streams,
                    "io_threads": args.io_threads, "transfer_threads": args.transfer_threads,
-                   "batch_bytes": int(args.batch_mib * MiB), "phase_cap_s": budget.phase_cap,
+                   "batch_bytes": batch_bytes, "phase_cap_s": budget.phase_cap,
                    "budget_s": budget.total, "checksums": True, "drop_caches_global": global_drop},
         "units": {"GBps": "1e9 bytes per second", "seconds": "wall-clock seconds", "bytes": "bytes",
                   "us": "microseconds", "ms": "milliseconds", "pct": "percent"},
@@ -1315,7 +1327,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = (int(cuda) + len(targets) + len(targets) * len(sizes) + (0 if args.no_executor else 2)
              + (1 if cuda and not args.no_overlap else 0))
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and sys.stderr.isatty():  # a log (e.g. a remote run) gets plain lines instead
         try:
             from tqdm import tqdm
             bar = tqdm(total=steps, desc="bench", unit="phase", file=sys.stderr, dynamic_ncols=True)
@@ -1383,7 +1395,7 @@ def main(argv: list[str] | None = None) -> int:
                             keys = [hashlib.sha256(f"{label}/{time.time_ns()}/{i}".encode()).digest()
                                     for i in range(n)]
                             parents = [ZERO_KEY] + keys[:-1]
-                            batch = max(1, int(args.batch_mib * MiB) // size)
+                            batch = max(1, batch_bytes // size)
                             save, load = connector_phase(rig, kv, keys, parents, batch, args.transfer_threads,
                                                          budget, info["memory"], global_drop, tracer, label)
                             for row in (save, load):
@@ -1411,7 +1423,6 @@ def main(argv: list[str] | None = None) -> int:
                                 for row in rows or ():
                                     row.update({"target": t, "block_bytes": size})
                                     res["baselines"].append(row)
-                        del kv
 
                     guarded(f"connector {label}", one_size)
                     if cuda:
@@ -1442,7 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
             # -- overlap
             if cuda and not args.no_overlap:
                 progress("overlap")
-                blk = max([s for s in sizes if s <= 4 * MiB] or [min(sizes)])
+                blk = min(sizes, key=lambda s: abs(s - 2.25 * MiB))
                 with tracer.rf("bench/overlap"):
                     res["overlap"] = guarded("overlap", lambda: overlap(
                         exec_root, device, args.io_threads, args.transfer_threads, blk, kvd,

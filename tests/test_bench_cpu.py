@@ -1,0 +1,86 @@
+"""profiling/bench.py --quick on CPU: it runs end to end and its JSON holds every measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "profiling", "bench.py")
+
+
+@pytest.fixture(scope="module")
+def bench_result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--quick", "--device", "cpu", "--json", str(out), "--disk-dir", str(tmp / "disk"),
+         "--shm-dir", str(tmp / "shm"), "--png", str(tmp / "bench.png"), "--no-progress", "--no-drop-caches"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(out) as fh:
+        res = json.load(fh)
+    return res, proc.stdout, tmp
+
+
+def test_bench_writes_ceilings(bench_result):
+    res, _, _ = bench_result
+    storage = res["ceilings"]["storage"]
+    assert set(storage) == {"shm", "disk"}
+    for target in storage.values():
+        for direction in ("write", "read"):
+            assert target[direction]["best_GBps"] > 0
+            assert target[direction]["by_streams"]
+    assert res["ceilings"]["pinned_copy"] is None  # no CUDA here
+
+
+def test_bench_writes_baselines_and_connector_rows(bench_result):
+    res, _, _ = bench_result
+    sizes = res["config"]["sizes"]
+    assert len(sizes) == 2
+    for target in ("shm", "disk"):
+        for size in sizes:
+            for direction in ("save", "load"):
+                conn = [r for r in res["connector"] if r["target"] == target and r["block_bytes"] == size
+                        and r["direction"] == direction]
+                assert len(conn) == 1, (target, size, direction)
+                row = conn[0]
+                assert row["GBps"] > 0 and row["bytes"] > 0 and row["blocks"] > 0
+                assert row["checksums"] is True and row["engine"].startswith("posix")
+                assert row["ceiling_GBps"] and row["ratio_to_ceiling"] > 0
+                assert row["x_trtllm_example"] > 0
+                base = [r for r in res["baselines"] if r["target"] == target and r["block_bytes"] == size
+                        and r["direction"] == direction and r["method"] == "trtllm_example"]
+                assert len(base) == 1 and base[0]["GBps"] > 0
+    # disk loads are measured from a cold page cache
+    assert all(r["cold_cache"] for r in res["connector"] if r["target"] == "disk" and r["direction"] == "load")
+
+
+def test_bench_writes_executor_cost_and_match_time(bench_result):
+    res, _, _ = bench_result
+    ex = res["executor"]
+    assert ex["requests_per_batch"] == 64 and ex["num_layers"] == 32
+    assert ex["iterations"] > 0 and ex["callback_us_per_iteration"] > 0
+    assert ex["layer_hook_calls"] > 0 and ex["layer_hook_us_per_call"] > 0
+    assert ex["loaded_tokens"] > 0  # the second round hit the pool
+    m = res["match"]
+    assert m["blocks"] == 4096 and m["prompt_tokens"] > 128 * 1024
+    assert m["warm_median_ms"] > 0 and m["first_call_ms"] > 0
+    assert res["overlap"]["skipped"]
+
+
+def test_bench_reports_goals_and_metadata(bench_result):
+    res, stdout, _ = bench_result
+    assert res["errors"] == []
+    assert res["meta"]["hostname"] and res["meta"]["versions"]["torch"]
+    assert "commit" in res["meta"]["git"]
+    statuses = {g["status"] for g in res["goals"]}
+    assert statuses <= {"PASS", "MISS", "n/a"} and len(res["goals"]) >= 8
+    assert "Goals (reported, never asserted)" in stdout
+    assert "Connector (block_io" in stdout
