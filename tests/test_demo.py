@@ -21,3 +21,25 @@ def test_cli_usage_errors_exit_2(tmp_path, monkeypatch):
                          capture_output=True, text=True, timeout=60,
                          env={"TLLM_GDS_KV_ROOT": str(tmp_path), "TLLM_GDS_KV_IO_THREADS": "0", "PATH": "/usr/bin"})
     assert res.returncode == 2 and "TLLM_GDS_KV_IO_THREADS" in res.stderr
+
+
+def test_operator_commands_on_a_demo_pool(tmp_path):
+    pool = tmp_path / "pool"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gds_kv_connector.cli", *a], capture_output=True,
+                                    text=True, timeout=300)
+    assert run("demo", "--root", str(pool), "--device", "cpu", "--conversations", "2", "--rounds", "2",
+               "--no-progress").returncode == 0
+    stats = json.loads(run("stats", "--root", str(pool), "--json").stdout)
+    assert stats["blocks"] > 0 and stats["bytes"] > 0
+    ver = run("verify", "--root", str(pool), "--json")
+    assert ver.returncode == 0 and json.loads(ver.stdout)["bad"] == 0
+    victim = sorted((pool / "gdskv-v1").rglob("*.blk"))[0]
+    with open(victim, "r+b") as fh:
+        fh.seek(4096 + 5)
+        fh.write(b"\xff\xfe")
+    bad = run("verify", "--root", str(pool), "--json")
+    assert bad.returncode == 1 and json.loads(bad.stdout)["bad"] == 1 and not victim.exists()
+    gc = run("gc", "--root", str(pool), "--quota", "1MiB", "--json")
+    assert gc.returncode in (0, 1) and "exit_code" in json.loads(gc.stdout)
+    doc = run("doctor", "--root", str(pool), "--json")
+    assert doc.returncode == 0 and "verdict" in json.loads(doc.stdout)
