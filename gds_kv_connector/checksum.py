@@ -15,7 +15,6 @@ to one word always changes the checksum, and a word moved to another position do
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 CHECKSUM_ALGO = 1
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -64,8 +63,3 @@ def checksum_bytes(data) -> int:
         tail = bytes(buf[full * 8:]) + b"\0" * (8 - n_bytes % 8)
         total += fmix64(int.from_bytes(tail, "little") ^ (((full + 1) * int(GOLDEN)) & _MASK))
     return fmix64((total & _MASK) ^ ((n_bytes * LEN_MIX) & _MASK))
-
-
-def checksum_tensor(t) -> int:
-    """Checksum of a contiguous host torch tensor's bytes."""
-    return checksum_bytes(t.contiguous().view(-1).view(torch.uint8).numpy())

@@ -8,7 +8,7 @@ single pool tensor cannot describe is refused at start-up with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,15 +31,17 @@ class KvPool:
     def device(self) -> torch.device:
         return self.tensor.device
 
+    _bytes: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # [num_blocks, block_bytes] uint8 view, made once: every transfer indexes it per block
+        object.__setattr__(self, "_bytes", self.tensor.view(self.tensor.shape[0], -1).view(torch.uint8))
+
     def block_view(self, block_id: int) -> torch.Tensor:
         """The block's bytes as a contiguous uint8 vector (a view, no copy)."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} outside the pool's {self.num_blocks} blocks")
         return self._bytes[block_id]
-
-    @property
-    def _bytes(self) -> torch.Tensor:
-        return self.tensor.view(self.tensor.shape[0], -1).view(torch.uint8)
 
 
 def pool_from_tensor(t: Any) -> KvPool:

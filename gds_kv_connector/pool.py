@@ -188,9 +188,8 @@ class BlockPool:
             return None
         if ino is not None and st.st_ino != ino:
             return None
-        tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
         qdir = os.path.join(self.roots[self.root_of(key)], LAYOUT_DIR, QUARANTINE_DIR)
-        dest = os.path.join(qdir, f"{key.hex()}.{time.time_ns()}.{secrets.token_hex(2)}.{tag}")
+        dest = os.path.join(qdir, quarantine_name(key.hex(), reason))
         for attempt in (0, 1):
             try:
                 self.ops.rename(path, dest)
@@ -369,6 +368,13 @@ def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_LEN:
         raise ValueError(f"a block key must be {KEY_LEN} bytes, got {type(key).__name__} of length "
                          f"{len(key) if hasattr(key, '__len__') else '?'}")
+
+
+def quarantine_name(key_hex: str, reason: str, now_ns: int | None = None) -> str:
+    """``<key>.<unix ns>.<rand>.<reason>``: the age must be in the name because rename keeps the
+    publication mtime; the random part keeps two quarantines of one key in one tick apart."""
+    tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
+    return f"{key_hex}.{now_ns or time.time_ns()}.{secrets.token_hex(2)}.{tag}"
 
 
 def _listdir(d: str) -> list[str]:

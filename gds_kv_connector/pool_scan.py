@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 
-from .pool import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX
+from .pool import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX, quarantine_name
 from .pool_format import HEADER_SIZE, BlockHeader, parse_header
 
 _HEX = frozenset("0123456789abcdef")
@@ -129,12 +128,8 @@ def read_geometry(root: str, fp: str) -> dict | None:
 
 
 def quarantine_destination(root: str, key_hex: str, reason: str, now_ns: int | None = None) -> str:
-    """Where a bad file goes: the same naming BlockPool.quarantine uses, age in the name.
-
-    The age must be in the name because rename keeps the mtime of the original publication.
-    """
-    tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
-    return os.path.join(quarantine_dir(root), f"{key_hex}.{now_ns or time.time_ns()}.{tag}")
+    """Where a bad file goes: the naming BlockPool.quarantine uses (pool.quarantine_name)."""
+    return os.path.join(quarantine_dir(root), quarantine_name(key_hex, reason, now_ns))
 
 
 def quarantined_at_ns(path: str) -> int:

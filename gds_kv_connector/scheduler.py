@@ -51,9 +51,6 @@ class _Request:
             self.token_bytes = bytearray()
         self.tokens = list(tokens)
 
-    def extend_tokens(self, new: list[int]) -> None:
-        self.tokens.extend(new)
-
     def keys_upto(self, n_blocks: int, tpb: int) -> list[bytes]:
         have = len(self.keys)
         if n_blocks > have:
@@ -200,7 +197,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 st.set_tokens(list(rd.new_tokens))
             st.prompt_len = st.prompt_len or len(st.tokens)
         else:
-            st.extend_tokens(list(rd.new_tokens))
+            st.tokens.extend(rd.new_tokens)
         st.reported = True
         blocks = list(rd.new_block_ids)
         by_group = getattr(rd, "new_block_ids_by_layer_group", None) or []

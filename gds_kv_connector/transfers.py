@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ class TransferManager:
         self._last_event: Any = None
         self._causes_logged: set[str] = set()
         self._closed = False
-        self._lock = threading.Lock()
 
     # -- submission (executor thread) -------------------------------------------------------------
     def submit_load(self, op: LoadOp, event: Any) -> None:

@@ -250,13 +250,13 @@ class ReferenceExecutor:
             spans.append((r, start, end))
         with nvtx_range("executor/forward"):
             for layer in range(s.num_layers):
-                self._timed_layer(self.worker.wait_for_layer_load, layer, self._stream)
+                self._timed(self.worker.wait_for_layer_load, layer, self._stream, layer_hook=True)
                 if layer == 0:
                     for r, start, _ in spans:
                         self._verify_prefix(r, start)
                 for r, start, end in spans:
                     self.model.write_tokens(self.pool_bytes, r.block_ids, r.hashes.hashes, start, end, layer)
-                self._timed_layer(self.worker.save_kv_layer, layer, self._stream)
+                self._timed(self.worker.save_kv_layer, layer, self._stream, layer_hook=True)
         for r, start, end in spans:
             self.stats.computed_tokens += end - start
             if r.state is State.CONTEXT:
@@ -320,17 +320,15 @@ class ReferenceExecutor:
                 raise InvariantViolation(f"KV connector failed: {kind} of request {rid} timed out")
 
     # -- timing -----------------------------------------------------------------------------------
-    def _timed(self, fn, *args):
+    def _timed(self, fn, *args, layer_hook: bool = False):
+        """Call a connector callback, charging its time to the executor thread's account."""
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            self.stats.callback_s += time.perf_counter() - t0
-
-    def _timed_layer(self, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.stats.layer_hook_s += time.perf_counter() - t0
-            self.stats.layer_hook_calls += 1
+            dt = time.perf_counter() - t0
+            if layer_hook:
+                self.stats.layer_hook_s += dt
+                self.stats.layer_hook_calls += 1
+            else:
+                self.stats.callback_s += dt
