@@ -17,7 +17,7 @@ import torch
 from .checksum import CHECKSUM_ALGO
 from .engines.base import IoEngine, TransferItem
 from .pool import BlockPool, Pin, PoolError
-from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError
+from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class SaveOutcome:
     lost_race: int = 0
     failed: list[tuple[bytes, str]] = field(default_factory=list)  # (key, cause)
     bytes_written: int = 0
+    arena_fallback: int = 0  # saved as block files because the arena had no free slot
 
 
 class LoadFailure(RuntimeError):
@@ -50,8 +51,17 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     if not todo:
         return out
     sums = engine.checksums([views[i] for i in todo])
-    opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
     now = time.time_ns()
+    if pool.arena is not None:
+        slots = pool.arena.alloc(len(todo))
+        if slots:
+            _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots, now,
+                           out)
+            todo, sums = todo[len(slots):], sums[len(slots):]
+            if not todo:
+                return out
+        out.arena_fallback = len(todo)
+    opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
     try:
         for i, csum in zip(todo, sums):
             header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
@@ -85,6 +95,46 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     return out
 
 
+def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
+                   views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
+                   now: int, out: SaveOutcome) -> None:
+    """Header cleared, payload copied, header written, then one reference file per slab."""
+    arena = pool.arena
+    assert arena is not None
+    try:
+        for slab, slot in slots:
+            arena.clear_header(slab, slot)
+        engine.copy_to_host([(arena.payload_addr(slab, slot), views[i]) for i, (slab, slot) in zip(todo, slots)])
+    except BaseException as exc:
+        for slab, slot in slots:
+            arena.release(slab, slot)
+        if not isinstance(exc, Exception):
+            raise
+        out.failed.extend((keys[i], _cause(exc)) for i in todo)
+        return
+    by_slab: dict[str, list[SlotRef]] = {}
+    for i, csum, (slab, slot) in zip(todo, sums, slots):
+        header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
+                             pool.tokens_per_block, now, parents[i] or ZERO_KEY)
+        arena.write_header(slab, slot, header.pack())
+        by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
+    for slab, refs in by_slab.items():
+        try:
+            won = pool.publish_refs(slab, refs)
+        except OSError as exc:
+            won = [False] * len(refs)
+            out.failed.extend((r.key, _cause(exc)) for r in refs)
+            out.lost_race -= len(refs)  # counted as failures, not races
+        published = [r for r, w in zip(refs, won) if w]
+        for r, w in zip(refs, won):
+            if not w:
+                arena.release(r.slab, r.slot)
+        arena.published(published)
+        out.published += len(published)
+        out.bytes_written += len(published) * pool.payload_len
+        out.lost_race += len(refs) - len(published)
+
+
 def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
     """Pin every key or none; raises LoadFailure for the first that cannot be opened."""
     pins: list[Pin] = []
@@ -110,8 +160,16 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                 verify: bool, retries: int, deadline: float) -> int:
     """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read."""
     headers: list[BlockHeader] = []
+    slot_raw: dict[int, bytes] = {}  # pin index -> header bytes of an arena slot, checked again after the copy
+    slot_pairs: list[tuple[int, torch.Tensor]] = []
     attempt = 0
-    for pin in pins:
+    for n, pin in enumerate(pins):
+        if pin.slot is not None:
+            raw, addr = _check_slot(pool, pin)
+            headers.append(parse_header(raw))
+            slot_raw[n] = raw
+            slot_pairs.append((addr, views[n]))
+            continue
         while True:
             try:
                 headers.append(pool.read_header(pin))
@@ -127,7 +185,14 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                     raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
                 attempt += 1
                 log.info("retrying a block header read after %s (attempt %d of %d)", exc, attempt, retries)
-    pending = list(range(len(pins)))
+    if slot_pairs:
+        engine.copy_from_host(slot_pairs)
+        for n, raw in slot_raw.items():
+            if not pool.arena.unchanged(pins[n].slot, raw):
+                pool.arena.forget(pins[n].key)
+                raise LoadFailure(pins[n].key, pins[n].path, "arena slot was reused while it was being loaded")
+        pool.arena.touch([pins[n].slot for n in slot_raw])
+    pending = [i for i in range(len(pins)) if pins[i].slot is None]
     while pending:
         errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i]) for i in pending])
         failed = [(i, e) for i, e in zip(pending, errors) if e is not None]
@@ -146,10 +211,37 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
         sums = engine.checksums(views)
         for pin, header, got in zip(pins, headers, sums):
             if got != header.checksum:
+                if pin.slot is not None:
+                    pool.arena.forget(pin.key)
+                    raise LoadFailure(pin.key, pin.path, f"arena slot payload checksum mismatch (header "
+                                      f"{header.checksum:#018x}, data {got:#018x}): damaged or reused")
                 pool.quarantine(pin.key, "checksum mismatch", pin.ino)
                 raise LoadFailure(pin.key, pin.path,
                                   f"payload checksum mismatch (header {header.checksum:#018x}, data {got:#018x})")
     return len(pins) * pool.payload_len
+
+
+def _check_slot(pool: BlockPool, pin: Pin) -> tuple[bytes, int]:
+    """Header bytes and payload address of a pinned arena slot; a stale or damaged reference is
+    dropped (quarantined) so the key stops matching, then reported as a LoadFailure."""
+    assert pool.arena is not None and pin.slot is not None
+    try:
+        return pool.arena.check_record(pin.slot)
+    except (FormatError, OSError, ValueError) as exc:
+        pool.arena.forget(pin.key)
+        if pin.ino == 0:  # a remembered location, not read from the pool: look the key up afresh
+            try:
+                fresh = pool.pin(pin.key)
+            except (OSError, FormatError) as again:
+                raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
+            if fresh.slot is None:
+                pool.unpin(fresh)
+                raise LoadFailure(pin.key, pin.path, "arena slot gone; the key now names a block file") from None
+            pin.slot, pin.ino = fresh.slot, fresh.ino
+            return _check_slot(pool, pin)
+        if isinstance(exc, FormatError):
+            pool.quarantine(pin.key, f"arena slot: {exc}", pin.ino)
+        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {exc}") from None
 
 
 def _cause(exc: BaseException) -> str:

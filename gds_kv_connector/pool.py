@@ -19,9 +19,14 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
-from .pool_format import HEADER_SIZE, PAGE, BlockHeader, FormatError, file_size_for, parse_header
+from .pool_format import (HEADER_SIZE, MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
+                          SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_ref)
+
+if TYPE_CHECKING:
+    from .arena import SlotArena
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +42,14 @@ _HOST = socket.gethostname().replace("-", "_")[:40] or "host"
 
 @dataclass
 class Pin:
-    """An open read-only descriptor on a published block."""
+    """An open read-only descriptor on a published block file, or (``fd`` -1) the arena slot a
+    reference file named; a slot's record is checked again around the copy, not held open."""
 
     key: bytes
     path: str
     fd: int
     ino: int
+    slot: SlotRef | None = None
 
 
 class PoolError(RuntimeError):
@@ -54,7 +61,8 @@ class BlockPool:
 
     def __init__(self, roots: tuple[str, ...], fingerprint: bytes, payload_len: int, tokens_per_block: int, *,
                  share_group: bool = False, fsync: bool = False, index_ttl_s: float = 5.0,
-                 geometry_note: str = "", ops: FileOps | None = None) -> None:
+                 geometry_note: str = "", ops: FileOps | None = None, refs: bool = False) -> None:
+        """``refs``: arena reference files count as present (every owner of the pool runs an arena)."""
         if not roots:
             raise PoolError("no pool root configured")
         self.fingerprint = fingerprint
@@ -69,6 +77,8 @@ class BlockPool:
         self.roots = tuple(os.path.abspath(r) for r in roots)
         self.fp_dirs = tuple(os.path.join(r, LAYOUT_DIR, fingerprint.hex()[:16]) for r in self.roots)
         self._index: dict[bytes, float] = {}
+        self.arena: SlotArena | None = None  # set by the worker for a host-memory pool (arena.py)
+        self.refs = refs
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
         for root, fp_dir in zip(self.roots, self.fp_dirs):
@@ -102,20 +112,31 @@ class BlockPool:
         except OSError:
             self._index.pop(key, None)
             return False
-        if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_size:
+        if not stat.S_ISREG(st.st_mode) or (st.st_size != self.file_size and not (self.refs and is_ref_size(st.st_size))):
             self._index.pop(key, None)
             return False
         self._index[key] = now + self.index_ttl_s
         return True
 
     def count_present(self, keys: list[bytes], start: int = 0) -> int:
-        """How many consecutive keys from ``start`` are in the pool."""
-        n = 0
-        for key in keys[start:]:
-            if not self.contains(key):
+        """How many consecutive keys from ``start`` are in the pool.
+
+        A 128k-token prompt asks this of 4096 keys on the executor thread, so keys still in the
+        index are counted in one tight loop; the first one that is not falls back to ``contains``.
+        """
+        now = time.monotonic()
+        index_get = self._index.get
+        n = start
+        total = len(keys)
+        while n < total:
+            expires = index_get(keys[n])
+            if expires is not None and expires > now:
+                n += 1
+            elif self.contains(keys[n]):
+                n += 1
+            else:
                 break
-            n += 1
-        return n
+        return n - start
 
     def forget(self, key: bytes) -> None:
         self._index.pop(key, None)
@@ -131,6 +152,10 @@ class BlockPool:
         transfer thread in open(2); it has no effect on regular files.
         """
         path = self.path_for(key)
+        if self.arena is not None:
+            ref = self.arena.cached_ref(key)
+            if ref is not None:
+                return Pin(key, path, -1, 0, ref)
         try:
             fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -147,7 +172,13 @@ class BlockPool:
             st = self.ops.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError("not a regular file")
-            if st.st_size != self.file_size:
+            ref = None
+            if is_ref_size(st.st_size) and (st.st_size != self.file_size or self._peek_magic(fd) == REF_MAGIC):
+                if self.arena is None:
+                    raise OSError(errno.ENOTSUP, "an arena reference file, but this process has no arena "
+                                  "(set TLLM_GDS_KV_ARENA_BYTES on every owner of a host-memory pool)")
+                ref = self._parse_ref_fd(fd, key, st.st_size)
+            elif st.st_size != self.file_size:
                 raise FormatError(f"file is {st.st_size} bytes, expected {self.file_size}")
         except FormatError as exc:
             self.ops.close(fd)
@@ -156,7 +187,81 @@ class BlockPool:
         except BaseException:
             self.ops.close(fd)
             raise
+        if ref is not None:
+            self.ops.close(fd)
+            self.arena.remember(ref)
+            return Pin(key, path, -1, st.st_ino, ref)
         return Pin(key, path, fd, st.st_ino)
+
+    def _peek_magic(self, fd: int) -> bytes:
+        raw = bytearray(8)
+        read_exact(self.ops, fd, raw, 0)
+        return bytes(raw)
+
+    def _parse_ref_fd(self, fd: int, key: bytes, size: int) -> SlotRef:
+        raw = bytearray(size)
+        read_exact(self.ops, fd, raw, 0)
+        return parse_ref(bytes(raw), key=key, fingerprint=self.fingerprint, slot_bytes=self.file_size)
+
+    def read_ref(self, key: bytes) -> SlotRef | None:
+        """The slot the key's reference file names now, or None (absent, a block file, unreadable)."""
+        try:
+            fd = self.ops.open(self.path_for(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            size = self.ops.fstat(fd).st_size
+            if not is_ref_size(size):
+                return None
+            return self._parse_ref_fd(fd, key, size)
+        except (OSError, FormatError, EOFError):
+            return None
+        finally:
+            self.ops.close(fd)
+
+    def unpublish_ref(self, key: bytes, expected: SlotRef) -> bool:
+        """Remove the key's name if it still refers to ``expected`` (arena eviction)."""
+        self.forget(key)
+        if self.read_ref(key) != expected:
+            return False
+        try:
+            self.ops.unlink(self.path_for(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def publish_refs(self, slab: str, refs: list[SlotRef]) -> list[bool]:
+        """Write one reference file for slots of ``slab`` and link it under each key; per key,
+        True if this writer won (link(2) fails on an existing name, as for block files)."""
+        out: list[bool] = []
+        for lo in range(0, len(refs), MAX_REF_ENTRIES):
+            chunk = refs[lo:lo + MAX_REF_ENTRIES]
+            data = pack_refs(self.fingerprint, self.file_size, slab, chunk)
+            d = self.dir_for(chunk[0].key)
+            self._makedirs(d)
+            tmp = os.path.join(d, f"{TMP_PREFIX}{chunk[0].key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+            fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                               self.file_mode)
+            try:
+                if self.file_mode & 0o077:
+                    self.ops.fchmod(fd, self.file_mode)
+                write_all(self.ops, fd, data, 0)
+                self.ops.close(fd)
+                fd = -1
+                deadline = time.monotonic() + self.index_ttl_s
+                for ref in chunk:
+                    final = self.path_for(ref.key)
+                    self._makedirs(os.path.dirname(final))
+                    try:
+                        self.ops.link(tmp, final)
+                    except FileExistsError:
+                        out.append(False)
+                        continue
+                    self._index[ref.key] = deadline
+                    out.append(True)
+            finally:
+                self.discard_tmp(fd, tmp)
+        return out
 
     def read_header(self, pin: Pin) -> BlockHeader:
         """Read and check the header; a short read is retried (read_exact), never taken as corrupt."""

@@ -89,3 +89,85 @@ def parse_header(raw: bytes, *, fingerprint: bytes | None = None, key: bytes | N
     if file_size is not None and file_size != file_size_for(plen):
         raise FormatError(f"file is {file_size} bytes, expected {file_size_for(plen)}")
     return BlockHeader(fp, k, plen, csum, algo, tpb, created, parent)
+
+
+# -- slot references (arena pools, docs/format.md "Arena") ------------------------------------------
+REF_MAGIC = b"GDSKVREF"
+REF_VERSION = 1
+REF_HEADER_SIZE = 128
+REF_ENTRY_SIZE = 48
+MAX_REF_ENTRIES = 1024
+SLAB_NAME_LEN = 64
+_REF_FIXED = struct.Struct("<8sII32sQ64sI")  # up to and excluding the CRC at offset 124
+_REF_ENTRY = struct.Struct("<32sIIQ")
+_SLAB_NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Where one key's block record lives: slot ``slot`` of slab file ``slab``, written at ``created_ns``."""
+
+    key: bytes
+    slab: str
+    slot: int
+    created_ns: int
+
+
+def is_ref_size(size: int) -> bool:
+    n, rem = divmod(size - REF_HEADER_SIZE, REF_ENTRY_SIZE)
+    return rem == 0 and 1 <= n <= MAX_REF_ENTRIES
+
+
+def check_slab_name(name: str) -> str:
+    raw = name.encode("ascii", "replace")
+    if not 0 < len(raw) <= SLAB_NAME_LEN or not set(raw) <= _SLAB_NAME_CHARS or name.startswith("."):
+        raise FormatError(f"bad slab name {name!r}")
+    return name
+
+
+def pack_refs(fingerprint: bytes, slot_bytes: int, slab: str, entries: list[SlotRef]) -> bytes:
+    """One reference file for a batch of blocks saved into one slab; hard-linked under every key."""
+    if not 1 <= len(entries) <= MAX_REF_ENTRIES:
+        raise ValueError(f"a reference file holds 1..{MAX_REF_ENTRIES} entries, not {len(entries)}")
+    body = b"".join(_REF_ENTRY.pack(e.key, e.slot, 0, e.created_ns) for e in entries)
+    fixed = _REF_FIXED.pack(REF_MAGIC, REF_VERSION, len(entries), fingerprint, slot_bytes,
+                            check_slab_name(slab).encode("ascii"), 0)
+    return fixed + _CRC.pack(zlib.crc32(body, zlib.crc32(fixed))) + body
+
+
+def parse_ref(raw: bytes, *, key: bytes, fingerprint: bytes, slot_bytes: int) -> SlotRef:
+    """The entry of ``key`` in a reference file, after checking every field of the file."""
+    if len(raw) < REF_HEADER_SIZE or not is_ref_size(len(raw)):
+        raise FormatError(f"reference file is {len(raw)} bytes, not a valid size")
+    magic, version, count, fp, sbytes, slab_raw, reserved = _REF_FIXED.unpack_from(raw)
+    if magic != REF_MAGIC:
+        raise FormatError(f"bad reference magic {magic!r}")
+    if version != REF_VERSION:
+        raise FormatError(f"unsupported reference version {version}")
+    if len(raw) != REF_HEADER_SIZE + count * REF_ENTRY_SIZE:
+        raise FormatError(f"reference file holds {count} entries but is {len(raw)} bytes")
+    (crc,) = _CRC.unpack_from(raw, _REF_FIXED.size)
+    if crc != zlib.crc32(raw[REF_HEADER_SIZE:], zlib.crc32(raw[:_REF_FIXED.size])):
+        raise FormatError("reference checksum mismatch")
+    if reserved != 0:
+        raise FormatError(f"reserved reference field is {reserved:#x}")
+    if fp != fingerprint:
+        raise FormatError("reference fingerprint differs from this pool's")
+    if sbytes != slot_bytes:
+        raise FormatError(f"reference slot size {sbytes} differs from this pool's {slot_bytes}")
+    slab = slab_raw.rstrip(b"\0")
+    if b"\0" in slab:
+        raise FormatError("slab name has embedded NUL bytes")
+    name = check_slab_name(slab.decode("ascii", "replace"))
+    pos = REF_HEADER_SIZE
+    while True:
+        pos = raw.find(key, pos)
+        if pos < 0:
+            raise FormatError("reference file has no entry for its key")
+        if (pos - REF_HEADER_SIZE) % REF_ENTRY_SIZE == 0:
+            break
+        pos += 1
+    k, slot, res, created = _REF_ENTRY.unpack_from(raw, pos)
+    if res != 0:
+        raise FormatError("reserved reference entry field is not zero")
+    return SlotRef(k, name, slot, created)

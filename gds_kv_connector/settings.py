@@ -122,6 +122,15 @@ SPECS: tuple[SettingSpec, ...] = (
                 "evicted (protects promised and in-flight loads).", _non_negative),
     SettingSpec("admission", "all", str, "Which full blocks to save: all, prompt (prompt blocks only), "
                 "or seen:N (prefixes matched at least N times by this owner).", _admission),
+    SettingSpec("arena_bytes", 0, parse_size, "Host-memory pools (tmpfs, e.g. /dev/shm): bytes of slab files "
+                "each owner preallocates, maps and registers for DMA once, so blocks move at the PCIe limit "
+                "instead of one file per block; 0 disables. Every owner of such a pool must set it.",
+                _non_negative),
+    SettingSpec("arena_slab_bytes", 256 << 20, parse_size, "Size of one arena slab file (the unit other "
+                "owners map and register when they read from it).", _positive),
+    SettingSpec("arena_reuse_delay_s", 5.0, float, "How long an arena slot whose reference was removed "
+                "stays untouched before it is overwritten (covers readers that resolved it just before).",
+                _non_negative),
     SettingSpec("stats_interval_s", 10.0, float, "How often each owner refreshes its stats file in the "
                 "pool; 0 disables.", _non_negative),
 )
@@ -151,6 +160,9 @@ class Settings:
     low_watermark: float
     evict_grace_s: float
     admission: str
+    arena_bytes: int
+    arena_slab_bytes: int
+    arena_reuse_delay_s: float
     stats_interval_s: float
 
     @property
@@ -187,6 +199,9 @@ class Settings:
         if require_root and not settings.roots:
             raise SettingsError(f"{ENV_PREFIX}ROOT is not set: name the pool directory "
                                 "(e.g. export TLLM_GDS_KV_ROOT=/mnt/nvme/kv-pool)")
+        if settings.arena_bytes and len(settings.roots) > 1:
+            raise SettingsError(f"{ENV_PREFIX}ARENA_BYTES serves one pool root, but {ENV_PREFIX}ROOT names "
+                                f"{len(settings.roots)}")
         return settings
 
 

@@ -199,7 +199,7 @@ class TransferManager:
         out: SaveOutcome = job.future.result()
         self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
-                            save_blocks_failed=len(out.failed))
+                            save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
         for key, cause in out.failed:
             self._note_save_failure(cause, job, self.pool.path_for(key))
 

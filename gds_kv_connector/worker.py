@@ -17,6 +17,7 @@ from .local_peer import PeerInfo, register, unregister
 from .metrics import StatsPublisher
 from .metadata import GdsKvMetadata
 from .nvtx_ranges import nvtx_range
+from .arena import start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
 from .settings import Settings
@@ -64,10 +65,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.pool = BlockPool(self.settings.roots, my_fp, kv.block_bytes, cfg.tokens_per_block,
                               share_group=self.settings.share_group, fsync=self.settings.fsync,
                               index_ttl_s=self.settings.index_ttl_s, geometry_note=geom.describe(),
-                              ops=self._fileops)
+                              ops=self._fileops, refs=self.settings.arena_bytes > 0)
         self.pool.cleanup_stale_tmp()
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
                              probe_dir=self.pool.fp_dirs[0])
+        if self.settings.arena_bytes:
+            self.pool.arena = start_arena(self.pool, engine, self.settings)
         self.kv = kv
         self.recency = RecencyLog.for_process(self.settings.roots)
         self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
@@ -123,6 +126,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.transfers is None:
             return {"dropped": 0, "stuck": 0}
         result = self.transfers.shutdown()
+        if self.pool is not None and self.pool.arena is not None:
+            self.pool.arena.close()
         self.capacity.close()
         self.stats_publisher.close()
         self.recency.flush()  # not close(): the scheduler of this process shares the log

@@ -42,5 +42,20 @@ class IoEngine(ABC):
     def data_path(self) -> str:
         """Which path moves the bytes: posix, kvikio-posix, cufile-compat or gds, with the reason."""
 
+    # -- mapped host memory (arena slabs of a host-memory pool, see arena.py) ---------------------
+    def register_host(self, addr: int, nbytes: int, read_only: bool) -> None:
+        """Make a mapped range a DMA target for the life of the mapping; no-op for host pools."""
+
+    def unregister_host(self, addr: int) -> None:
+        """Undo :meth:`register_host` before the range is unmapped."""
+
+    @abstractmethod
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy each view to the host address paired with it; returns when the bytes are there."""
+
+    @abstractmethod
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy from each host address into the view paired with it; returns when they are there."""
+
     def close(self) -> None:
         """Release threads and handles; outstanding calls must have returned."""

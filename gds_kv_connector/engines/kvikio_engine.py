@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .base import IoEngine, TransferItem
+from .host_dma import CudaHostDma
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class KvikioEngine(IoEngine):
             kvikio.defaults.set("task_size", DEFAULT_TASK_SIZE)
         _apply_compat_env(kvikio)
         self._probe_lock = threading.Lock()
+        self._host_dma: CudaHostDma | None = None
         # When KvikIO never calls cuFile there is nothing to probe.
         self._probed = kvikio.defaults.is_compat_mode_preferred()
         self._probe_reason = ""
@@ -137,6 +139,25 @@ class KvikioEngine(IoEngine):
         from ..gpu_checksum import checksums_device
 
         return checksums_device(views)
+
+    def register_host(self, addr: int, nbytes: int, read_only: bool) -> None:
+        self._dma().register(addr, nbytes, read_only)
+
+    def unregister_host(self, addr: int) -> None:
+        self._dma().unregister(addr)
+
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        self._dma().copy(pairs, to_host=True)
+
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        self._dma().copy(pairs, to_host=False)
+
+    def _dma(self) -> CudaHostDma:
+        if self._host_dma is None:
+            with self._probe_lock:
+                if self._host_dma is None:
+                    self._host_dma = CudaHostDma(self.device)
+        return self._host_dma
 
     def data_path(self) -> str:
         kv = self._kvikio

@@ -7,6 +7,7 @@ with the GIL released inside each call so ``io_threads`` transfers proceed in pa
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -38,6 +39,14 @@ class PosixEngine(IoEngine):
         if len(views) <= 1:
             return [checksum_bytes(_host_bytes(v)) for v in views]
         return list(self._pool.map(lambda v: checksum_bytes(_host_bytes(v)), views))
+
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        for addr, view in pairs:
+            ctypes.memmove(addr, _host_bytes(view).ctypes.data, view.numel() * view.element_size())
+
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        for addr, view in pairs:
+            ctypes.memmove(_host_bytes(view).ctypes.data, addr, view.numel() * view.element_size())
 
     def data_path(self) -> str:
         return "posix (host-memory pool, pread/pwrite)"

@@ -1,0 +1,439 @@
+"""Slot arena: a host-memory pool's blocks in long-lived, DMA-registered slab files.
+
+On a host-memory filesystem (/dev/shm) the bytes of a block file are ordinary pages, so the GPU
+can DMA straight into them, but only once they are mapped and registered with CUDA
+(``cudaHostRegister``), and registering is slow: on the H200 host one file per block moved 0.7
+GB/s (256 KiB) to 1.5 GB/s (4 MiB) with the registration in the loop, against 53-55 GB/s into a
+mapping registered once (profiling/results/shm-probe/).  So each owner preallocates slab files,
+maps and registers them once, and writes block records (the v1 block file bytes: header page and
+payload) into fixed slots.  A key is published by a small reference file at the key's usual
+name, one file per save batch hard-linked under every key of the batch (docs/format.md, "Arena").
+
+Rules that keep readers safe without a lock shared between processes:
+
+* Only the slab's owner writes it.  The owner holds ``flock(LOCK_EX)`` on the slab for its whole
+  life; a later process that obtains the lock knows the owner is gone and adopts the slab.
+* A slot is reused only after no reference points at it (evicted by anyone, or by the owner when
+  the arena is full) and a further ``reuse_delay_s`` has passed.
+* The owner clears a slot's header before it overwrites the payload and writes the new header
+  last; a reader checks the header (key, creation time) before and after its copy and verifies
+  the payload checksum, so a reader racing a reuse fails cleanly instead of loading wrong bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import numpy as np
+
+from .pool_format import HEADER_SIZE, FormatError, SlotRef, check_slab_name, parse_header
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+    from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+SLABS_DIR = "slabs"
+SLAB_SUFFIX = ".slab"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+class HostMapper(Protocol):
+    """What the arena needs from an engine: making a mapped range DMA-able and back."""
+
+    def register_host(self, addr: int, nbytes: int, read_only: bool) -> None: ...
+
+    def unregister_host(self, addr: int) -> None: ...
+
+
+@dataclass
+class Slab:
+    name: str
+    path: str
+    fd: int
+    mm: mmap.mmap
+    array: np.ndarray  # keeps the buffer exported so ``base`` stays valid
+    base: int
+    nslots: int
+    owned: bool
+    registered: bool
+
+
+class ArenaError(RuntimeError):
+    """The arena cannot be used as configured (not a host-memory filesystem, registration failed)."""
+
+
+class SlotArena:
+    """One process's slabs in one pool directory, plus read mappings of other owners' slabs."""
+
+    def __init__(self, pool: BlockPool, mapper: HostMapper, capacity_bytes: int, slab_bytes: int,
+                 reuse_delay_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if len(pool.fp_dirs) != 1:
+            raise ArenaError("the slot arena serves a pool with exactly one root")
+        self.pool = pool
+        self.mapper = mapper
+        self.slot_bytes = pool.file_size
+        self.slots_per_slab = max(1, slab_bytes // self.slot_bytes)
+        self.capacity_slots = capacity_bytes // self.slot_bytes
+        if self.capacity_slots < 1:
+            raise ArenaError(f"arena of {capacity_bytes} bytes holds no slot of {self.slot_bytes} bytes")
+        self.reuse_delay_s = reuse_delay_s
+        self.clock = clock
+        self.dir = os.path.join(pool.fp_dirs[0], SLABS_DIR)
+        pool._makedirs(self.dir)
+        self._lock = threading.Lock()
+        self._slabs: dict[str, Slab] = {}
+        self._free: collections.deque[tuple[float, str, int]] = collections.deque()  # (ready at, slab, slot)
+        self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
+        self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
+        self.owned_slots = 0
+        self.stats = collections.Counter()
+        self._ready = threading.Event()
+        self._closed = False
+        self._builder: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        """Adopt slabs of dead owners, then create slabs up to the capacity; saves that find no
+        free slot meanwhile are written as block files, so start-up never blocks serving."""
+        if background:
+            self._builder = threading.Thread(target=self._build, name="gdskv-arena", daemon=True)
+            self._builder.start()
+        else:
+            self._build()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def _build(self) -> None:
+        try:
+            for name in sorted(os.listdir(self.dir)):
+                if self.owned_slots >= self.capacity_slots or self._closed:
+                    break
+                if name.endswith(SLAB_SUFFIX) and name not in self._slabs:
+                    self._try_adopt(name)
+            while self.owned_slots < self.capacity_slots and not self._closed:
+                self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
+        except Exception as exc:  # noqa: BLE001 - the arena shrinks to what was built; saves fall back
+            log.error("gds-kv arena: building slabs in %s stopped: %s (%d slots usable)", self.dir, exc,
+                      self.owned_slots)
+            self.stats["build_errors"] += 1
+        finally:
+            self._ready.set()
+
+    def close(self) -> None:
+        """Unregister and unmap every slab; owned slabs stay on disk for readers and adopters."""
+        self._closed = True
+        if self._builder is not None:
+            self._builder.join()
+        with self._lock:
+            for slab in self._slabs.values():
+                self._unmap(slab)
+            self._slabs.clear()
+            self._free.clear()
+            self._used.clear()
+            self._where.clear()
+
+    # -- slabs ------------------------------------------------------------------------------------
+    def _create_slab(self, nslots: int) -> None:
+        from .pool import _HOST
+
+        name = check_slab_name(f"{_HOST}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if self.pool.file_mode & 0o077:
+                os.fchmod(fd, self.pool.file_mode)
+            os.ftruncate(fd, nslots * self.slot_bytes)
+            slab = self._map(name, path, fd, nslots, owned=True, writable=True)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        now = self.clock()
+        with self._lock:
+            self._slabs[name] = slab
+            self._free.extend((now, name, s) for s in range(nslots))
+            self.owned_slots += nslots
+        self.stats["slabs_created"] += 1
+
+    def _try_adopt(self, name: str) -> None:
+        """Take over the slab of an owner that died: its lock is free.  Slots whose record is
+        still referenced stay in use; the rest become free."""
+        path = os.path.join(self.dir, name)
+        try:
+            check_slab_name(name)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except (OSError, FormatError):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live owner holds it
+            return
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0 or size % self.slot_bytes:
+                raise ArenaError(f"slab {name} is {size} bytes, not a multiple of the slot size")
+            nslots = size // self.slot_bytes
+            if self.owned_slots + nslots > self.capacity_slots:
+                raise ArenaError("over capacity")
+            slab = self._map(name, path, fd, nslots, owned=True, writable=True)
+        except (OSError, ArenaError) as exc:
+            log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
+            os.close(fd)
+            return
+        used, free = [], []
+        for slot in range(nslots):
+            ref = self._record_at(slab, slot)
+            if ref is not None and self.pool.read_ref(ref.key) == ref:
+                used.append((slot, ref))
+            else:
+                free.append(slot)
+        now = self.clock()
+        with self._lock:
+            self._slabs[name] = slab
+            for slot, ref in used:
+                self._used[(name, slot)] = (ref.key, ref.created_ns)
+                self._where[ref.key] = ref
+            self._free.extend((now, name, s) for s in free)
+            self.owned_slots += nslots
+        self.stats["slabs_adopted"] += 1
+        log.info("gds-kv arena: adopted slab %s of a finished owner (%d live blocks, %d free slots)",
+                 name, len(used), len(free))
+
+    def _map(self, name: str, path: str, fd: int, nslots: int, owned: bool, writable: bool) -> Slab:
+        size = nslots * self.slot_bytes
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # MAP_POPULATE faults every page in now (allocating a fresh slab's pages), not per DMA.
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
+        array = np.frombuffer(mm, dtype=np.uint8)
+        base = array.__array_interface__["data"][0]
+        slab = Slab(name, path, fd, mm, array, base, nslots, owned, False)
+        del array
+        try:
+            self.mapper.register_host(base, size, not writable)
+        except BaseException:
+            slab.array = None  # type: ignore[assignment]
+            mm.close()
+            raise
+        slab.registered = True
+        return slab
+
+    def _unmap(self, slab: Slab) -> None:
+        if slab.registered:
+            try:
+                self.mapper.unregister_host(slab.base)
+            except Exception as exc:  # noqa: BLE001 - shutting down
+                log.debug("unregistering slab %s failed: %s", slab.name, exc)
+            slab.registered = False
+        slab.array = None  # type: ignore[assignment]
+        try:
+            slab.mm.close()
+        except BufferError:
+            log.debug("slab %s still exported; left mapped", slab.name)
+        os.close(slab.fd)  # releases the owner lock
+
+    def _slab(self, name: str) -> Slab:
+        """A mapping of any slab in this pool, mapped and registered on first use."""
+        slab = self._slabs.get(name)
+        if slab is not None:
+            return slab
+        with self._lock:
+            slab = self._slabs.get(name)
+            if slab is not None:
+                return slab
+            path = os.path.join(self.dir, check_slab_name(name))
+            writable = True
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except PermissionError:  # another user's slab in a shared-group pool
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+                writable = False
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0 or size % self.slot_bytes:
+                    raise FormatError(f"slab {name} is {size} bytes, not a multiple of the slot size")
+                slab = self._map(name, path, fd, size // self.slot_bytes, owned=False, writable=writable)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._slabs[name] = slab
+            self.stats["slabs_mapped"] += 1
+            return slab
+
+    def _record_at(self, slab: Slab, slot: int) -> SlotRef | None:
+        off = slot * self.slot_bytes
+        try:
+            h = parse_header(bytes(slab.mm[off:off + HEADER_SIZE]), fingerprint=self.pool.fingerprint,
+                             payload_len=self.pool.payload_len)
+        except FormatError:
+            return None
+        return SlotRef(h.key, slab.name, slot, h.created_ns)
+
+    # -- writing (owner) --------------------------------------------------------------------------
+    def alloc(self, n: int) -> list[tuple[str, int]]:
+        """Up to ``n`` free slots, (slab, slot); fewer when the arena is full or still building."""
+        out: list[tuple[str, int]] = []
+        with self._lock:
+            self._take_ready(n, out)
+        if len(out) < n and self._ready.is_set():
+            self._reclaim(n - len(out))
+            with self._lock:
+                self._take_ready(n - len(out), out)
+        if len(out) < n:
+            self.stats["alloc_short"] += n - len(out)
+        return out
+
+    def _take_ready(self, n: int, out: list[tuple[str, int]]) -> None:
+        now = self.clock()
+        while len(out) < n and self._free and self._free[0][0] <= now:
+            _, name, slot = self._free.popleft()
+            out.append((name, slot))
+
+    def payload_addr(self, slab: str, slot: int) -> int:
+        return self._slabs[slab].base + slot * self.slot_bytes + HEADER_SIZE
+
+    def clear_header(self, slab: str, slot: int) -> None:
+        """Make the slot's record unreadable before its payload is overwritten."""
+        off = slot * self.slot_bytes
+        self._slabs[slab].mm[off:off + 8] = b"\0" * 8
+
+    def write_header(self, slab: str, slot: int, header: bytes) -> None:
+        off = slot * self.slot_bytes
+        self._slabs[slab].mm[off:off + HEADER_SIZE] = header
+
+    def published(self, refs: list[SlotRef]) -> None:
+        with self._lock:
+            for ref in refs:
+                self._used[(ref.slab, ref.slot)] = (ref.key, ref.created_ns)
+                self._where[ref.key] = ref
+
+    def release(self, slab: str, slot: int) -> None:
+        """A slot that was never published (lost race, failed copy): free at once."""
+        with self._lock:
+            self._free.appendleft((self.clock(), slab, slot))
+
+    def _reclaim(self, need: int) -> None:
+        """Free slots whose reference is gone; if that is not enough, evict this owner's least
+        recently used blocks (a batch ahead of need, since freed slots cool for reuse_delay_s)."""
+        with self._lock:
+            candidates = list(self._used.items())[:max(4 * need, 64)]
+        freed: list[tuple[str, int]] = []
+        for (name, slot), (key, created) in candidates:
+            ref = self.pool.read_ref(key)
+            if ref is None or (ref.slab, ref.slot, ref.created_ns) != (name, slot, created):
+                freed.append((name, slot))
+        if len(freed) < need:
+            want = max(need - len(freed), self.capacity_slots // 32)
+            gone = set(freed)
+            with self._lock:
+                victims = [(s, v) for s, v in self._used.items() if s not in gone][:want]
+            for (name, slot), (key, created) in victims:
+                self.pool.unpublish_ref(key, SlotRef(key, name, slot, created))
+                freed.append((name, slot))
+            self.stats["evicted"] += len(victims)
+        ready = self.clock() + self.reuse_delay_s
+        with self._lock:
+            for s in freed:
+                entry = self._used.pop(s, None)
+                if entry is None:
+                    continue
+                where = self._where.get(entry[0])
+                if where is not None and (where.slab, where.slot) == s:
+                    del self._where[entry[0]]
+                self._free.append((ready, s[0], s[1]))
+        self.stats["reclaimed"] += len(freed)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def cached_ref(self, key: bytes) -> SlotRef | None:
+        return self._where.get(key)
+
+    def remember(self, ref: SlotRef) -> None:
+        self._where[ref.key] = ref
+
+    def forget(self, key: bytes) -> None:
+        self._where.pop(key, None)
+
+    def check_record(self, ref: SlotRef) -> tuple[bytes, int]:
+        """The slot's header bytes and payload address, after checking the header names this
+        key and creation time (raises FormatError if the slot was reused or is damaged)."""
+        slab = self._slab(ref.slab)
+        if not 0 <= ref.slot < slab.nslots:
+            raise FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
+        off = ref.slot * self.slot_bytes
+        raw = bytes(slab.mm[off:off + HEADER_SIZE])
+        header = parse_header(raw, fingerprint=self.pool.fingerprint, key=ref.key,
+                              payload_len=self.pool.payload_len)
+        if header.created_ns != ref.created_ns:
+            raise FormatError("slot holds a newer record of this key than its reference (reused)")
+        return raw, slab.base + off + HEADER_SIZE
+
+    def unchanged(self, ref: SlotRef, raw: bytes) -> bool:
+        """After a copy out of the slot: True if its header is still the one checked before."""
+        off = ref.slot * self.slot_bytes
+        return self._slabs[ref.slab].mm[off:off + HEADER_SIZE] == raw
+
+    def touch(self, refs: list[SlotRef]) -> None:
+        """Loaded from this owner's slots: they become the most recently used."""
+        with self._lock:
+            for ref in refs:
+                k = (ref.slab, ref.slot)
+                if k in self._used:
+                    self._used.move_to_end(k)
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            ready = sum(1 for t, _, _ in self._free if t <= self.clock())
+            return {"owned_slots": self.owned_slots, "used_slots": len(self._used), "free_slots": len(self._free),
+                    "ready_slots": ready, "mapped_slabs": len(self._slabs), **self.stats}
+
+
+def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> SlotArena:
+    """The worker's arena, after checking the pool is in host memory (a slab on a disk
+    filesystem would pin page cache and still be written back at disk speed)."""
+    kind = fs_type(pool.roots[0])
+    if kind not in HOST_FS_TYPES:
+        raise ArenaError(f"TLLM_GDS_KV_ARENA_BYTES is set but the pool root {pool.roots[0]} is on {kind}, "
+                         f"not a host-memory filesystem ({', '.join(HOST_FS_TYPES)}); unset it for disk pools")
+    arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s)
+    arena.start()
+    return arena
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding ``path`` (longest matching mount point), or "?"."""
+    path = os.path.realpath(path)
+    best, kind = "", "?"
+    try:
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.debug("could not remove %s: %s", path, exc)

@@ -1,0 +1,113 @@
+"""DMA between CUDA KV blocks and registered host mappings (arena slabs), with copies coalesced.
+
+A run of blocks that sit at a constant stride on both sides (consecutive KV block ids into
+consecutive slots: the common case for one request's prefix) becomes one ``cudaMemcpy2DAsync``
+whose rows are the payloads and whose pitches skip the 4 KiB slot headers.  On the H200 host
+that moved 256 KiB blocks at 55 GB/s against 34-37 GB/s with one copy call per block
+(profiling/results/shm-probe/).  Runs are split over a few streams per thread so both
+directions keep more than one DMA in flight.  CuPy is imported when the first copy is made.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+_STREAMS_PER_THREAD = 4
+_SPLIT_MIN_BYTES = 8 << 20  # a run below this is not worth splitting across streams
+_REGISTER_PORTABLE = 0x01
+_REGISTER_READ_ONLY = 0x08
+
+
+class CudaHostDma:
+    def __init__(self, device: torch.device) -> None:
+        import cupy
+
+        self._cupy = cupy
+        self._rt = cupy.cuda.runtime
+        self.device = device
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._local = threading.local()
+
+    def register(self, addr: int, nbytes: int, read_only: bool) -> None:
+        flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
+        with self._cupy.cuda.Device(self._index):
+            self._rt.hostRegister(addr, nbytes, flags)
+
+    def unregister(self, addr: int) -> None:
+        with self._cupy.cuda.Device(self._index):
+            self._rt.hostUnregister(addr)
+
+    def copy(self, pairs: list[tuple[int, torch.Tensor]], to_host: bool) -> None:
+        if not pairs:
+            return
+        runs = coalesce([(addr, _device_ptr(view), view.numel() * view.element_size()) for addr, view in pairs])
+        streams = self._streams()
+        kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
+        with self._cupy.cuda.Device(self._index):
+            k = 0
+            for host, dev, width, hpitch, rows in _split(runs, len(streams)):
+                s = streams[k % len(streams)].ptr
+                k += 1
+                if rows == 1:
+                    if to_host:
+                        self._rt.memcpyAsync(host, dev, width, kind, s)
+                    else:
+                        self._rt.memcpyAsync(dev, host, width, kind, s)
+                elif to_host:
+                    self._rt.memcpy2DAsync(host, hpitch, dev, width, width, rows, kind, s)
+                else:
+                    self._rt.memcpy2DAsync(dev, width, host, hpitch, width, rows, kind, s)
+            for stream in streams[:k]:
+                stream.synchronize()
+
+    def _streams(self) -> list[Any]:
+        streams = getattr(self._local, "streams", None)
+        if streams is None:
+            with self._cupy.cuda.Device(self._index):
+                streams = [self._cupy.cuda.Stream(non_blocking=True) for _ in range(_STREAMS_PER_THREAD)]
+            self._local.streams = streams
+        return streams
+
+
+def coalesce(items: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """(host, device, width) copies -> runs (host, device, width, host_pitch, rows).
+
+    Consecutive items (by device address) join a run when the device side is contiguous
+    (stride == width) and the host side keeps the run's stride; the first pair of a run fixes
+    the host stride.  Pure arithmetic, so the CPU tests cover it.
+    """
+    runs: list[list[int]] = []
+    for host, dev, width in sorted(items, key=lambda t: t[1]):
+        if runs:
+            r = runs[-1]
+            r_host, r_dev, r_width, r_pitch, r_rows = r
+            if width == r_width and dev == r_dev + r_rows * r_width:
+                pitch = host - r_host if r_rows == 1 else r_pitch
+                if pitch >= width and host == r_host + r_rows * pitch:
+                    r[3], r[4] = pitch, r_rows + 1
+                    continue
+        runs.append([host, dev, width, width, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _split(runs: list[tuple[int, int, int, int, int]], parts: int) -> list[tuple[int, int, int, int, int]]:
+    """Cut long runs into up to ``parts`` pieces so several streams share them."""
+    out = []
+    for host, dev, width, pitch, rows in runs:
+        pieces = min(parts, rows, max(1, rows * width // _SPLIT_MIN_BYTES))
+        per = -(-rows // pieces)
+        for lo in range(0, rows, per):
+            n = min(per, rows - lo)
+            out.append((host + lo * pitch, dev + lo * width, width, pitch, n))
+    return out
+
+
+def _device_ptr(view: torch.Tensor) -> int:
+    if view.device.type != "cuda":
+        raise ValueError(f"host DMA moves CUDA blocks only, not {view.device}")
+    if not view.is_contiguous():
+        raise ValueError("block views must be contiguous")
+    return view.data_ptr()
