@@ -54,6 +54,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
+from gds_kv_connector.arena import SlotArena  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
@@ -473,14 +474,26 @@ class ConnectorRig:
     """A pool directory, a BlockPool and an engine as the worker would build them."""
 
     def __init__(self, root: str, payload: int, device: torch.device, io_threads: int, tag: str,
-                 kvd: KvikioDefaults) -> None:
+                 kvd: KvikioDefaults, arena_bytes: int = 0) -> None:
+        """``arena_bytes`` > 0: the pool runs a slot arena of that size (TLLM_GDS_KV_ARENA_BYTES), built
+        here before anything is timed; how long that took is kept in ``arena_setup_s``."""
         kvd.restore()  # a fresh engine, as in a fresh process
         self.root = root
         fp = hashlib.sha256(f"gdskv-bench/{tag}/{os.getpid()}/{time.time_ns()}".encode()).digest()
-        self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0)
+        self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0, refs=arena_bytes > 0)
         self.engine = make_engine("auto", device, io_threads)
         self.device = device
         self.payload = payload
+        self.arena_setup_s: float | None = None
+        if arena_bytes:
+            t0 = time.perf_counter()
+            self.pool.arena = SlotArena(self.pool, self.engine, arena_bytes, 256 << 20, 5.0)
+            self.pool.arena.start(background=False)
+            self.arena_setup_s = round(time.perf_counter() - t0, 3)
+
+    @property
+    def mode(self) -> str:
+        return "arena" if self.pool.arena is not None else "block files"
 
     def warm_up(self) -> None:
         """Probe, thread pools and checksum kernels, outside every timed region."""
@@ -501,6 +514,8 @@ class ConnectorRig:
         self.pool.forget(key)
 
     def close(self) -> None:
+        if self.pool.arena is not None:
+            self.pool.arena.close()
         self.engine.close()
 
 
@@ -535,8 +550,12 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
             "syncfs_seconds": round(sync_s, 4), "returned_GBps": round(gbps(nbytes, secs), 3),
             "GBps": round(gbps(nbytes, secs + sync_s), 3), "capped_by_time": capped}
 
-    # load what was saved, into zeroed blocks, cold from the device for a disk target
+    # load what was saved, into zeroed blocks, cold from the device for a disk target; arena slots
+    # are looked up through their reference files, as an owner that did not save them would
     saved.sort()
+    if pool.arena is not None:
+        for i in saved:
+            pool.arena.forget(keys[i])
     kv.zero_()
     _sync(rig.device)
     drop = None if is_memory else drop_caches([rig.root], global_drop)
@@ -687,11 +706,13 @@ def baseline_naive_kvikio(kv: torch.Tensor, n: int, bdir: str, budget: Budget, i
 # executor-thread cost and match time
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def connector_env(root: str):
+def connector_env(root: str, arena_bytes: int = 0):
     saved = {k: v for k, v in os.environ.items() if k.startswith("TLLM_GDS_KV_")}
     for k in saved:
         del os.environ[k]
     os.environ["TLLM_GDS_KV_ROOT"] = root
+    if arena_bytes:
+        os.environ["TLLM_GDS_KV_ARENA_BYTES"] = str(arena_bytes)
     for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_IO_THREADS"):  # the engine choice is the user's to force
         if k in saved:
             os.environ[k] = saved[k]
@@ -704,7 +725,7 @@ def connector_env(root: str):
 
 
 def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,
-                  layers: int = 32) -> dict:
+                  layers: int = 32, arena_bytes: int = 0) -> dict:
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
     from gds_kv_connector.reference import (ExecutorConfig, ModelShape, ReferenceExecutor, RunStats, SimRequest,
                                             fake_llm_args)
@@ -717,13 +738,16 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
     rng = random.Random(1234)
     prompts = [[rng.randrange(32000) for _ in range(prompt_blocks * TOKENS_PER_BLOCK + 5)] for _ in range(requests)]
     out: dict[str, Any] = {"requests_per_batch": requests, "num_layers": layers, "block_bytes": shape.block_bytes,
-                           "prompt_tokens": len(prompts[0]), "max_new_tokens": new_tokens, "rounds": []}
-    with connector_env(root):
+                           "prompt_tokens": len(prompts[0]), "max_new_tokens": new_tokens, "rounds": [],
+                           "arena_bytes": arena_bytes}
+    with connector_env(root, arena_bytes):
         llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-executor")
         worker = GdsKvConnectorWorker(llm_args)
         ex = ReferenceExecutor(GdsKvConnectorScheduler(llm_args), worker, cfg)
         try:
             out["engine"] = worker.transfers.engine.data_path()
+            if worker.pool.arena is not None:  # built in the background at start-up; not per-iteration cost
+                worker.pool.arena.wait_ready(120)
             ex.stats = RunStats()  # start-up (register_kv_caches, engine probe) is not per-iteration cost
             totals = RunStats()
             acc: dict[str, list] = {}
@@ -791,7 +815,7 @@ def _exec_summary(d: dict, what: str) -> dict:
 
 
 def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefaults, tracer: Tracer,
-               time_cap_s: float) -> dict:
+               time_cap_s: float, arena_bytes: int = 0) -> dict:
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
     from gds_kv_connector.keys import base_fingerprint, chain_seed, extend_chain, tokens_to_bytes
     from gds_kv_connector.local_peer import lookup
@@ -801,13 +825,16 @@ def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefa
     tokens = MATCH_BLOCKS * TOKENS_PER_BLOCK + 1  # one prompt token is always left to compute
     rng = random.Random(99)
     prompt = [rng.randrange(32000) for _ in range(tokens)]
-    out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": MATCH_BLOCKS, "tokens_per_block": TOKENS_PER_BLOCK}
-    with connector_env(root):
+    out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": MATCH_BLOCKS, "tokens_per_block": TOKENS_PER_BLOCK,
+                           "arena_bytes": arena_bytes}
+    with connector_env(root, arena_bytes):
         llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-match")
         sched, worker = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
         try:
             worker.register_kv_caches(torch.zeros((8, 1, 2, MATCH_BLOCK_ELEMS), dtype=torch.bfloat16, device=device))
             sched.wait_for_initialization()
+            if worker.pool.arena is not None:
+                worker.pool.arena.wait_ready(120)
             peer = lookup(llm_args)
             payload = worker.pool.payload_len
             out["block_bytes"] = payload
@@ -1231,6 +1258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-s", type=float, help="time cap per phase (default 10 s, 6 s with --quick)")
     p.add_argument("--budget-s", type=float, help="time budget of the whole run (default 420 s, 150 s with --quick)")
     p.add_argument("--overlap-s", type=float, default=1.5, help="duration of the compute loop (CUDA only)")
+    p.add_argument("--shm-files", action="store_true", help="host-memory target as one file per block, "
+                   "without the slot arena (TLLM_GDS_KV_ARENA_BYTES unset)")
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--no-executor", action="store_true")
     p.add_argument("--no-overlap", action="store_true")
@@ -1387,8 +1416,9 @@ def main(argv: list[str] | None = None) -> int:
 
                     def one_size() -> None:
                         kv = _rand_bytes((n, size), device, size)
+                        arena = (n + 2) * fsize + (256 << 20) if info["memory"] and not args.shm_files else 0
                         rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
-                                           args.io_threads, label, kvd)
+                                           args.io_threads, label, kvd, arena_bytes=arena)
                         try:
                             rig.warm_up()
                             info["engine_data_path"] = rig.engine.data_path()
@@ -1400,6 +1430,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          budget, info["memory"], global_drop, tracer, label)
                             for row in (save, load):
                                 row.update({"target": t, "block_bytes": size, "engine": rig.engine.data_path(),
+                                            "pool_mode": rig.mode, "arena_setup_s": rig.arena_setup_s,
                                             "batch_blocks": batch, "transfer_threads": args.transfer_threads,
                                             "io_threads": args.io_threads, "checksums": True})
                                 res["connector"].append(row)
@@ -1433,18 +1464,20 @@ def main(argv: list[str] | None = None) -> int:
 
             # -- executor thread
             exec_root = targets.get("shm", next(iter(targets.values()), {"dir": tempfile.mkdtemp()}))["dir"]
+            exec_arena = 512 << 20 if "shm" in targets and not args.shm_files else 0
             if not args.no_executor:
                 progress("executor cost")
                 with tracer.rf("bench/executor"):
                     res["executor"] = guarded("executor cost", lambda: executor_cost(
-                        os.path.join(exec_root, "exec-pool"), device, kvd, tracer)) or {"error": "failed"}
+                        os.path.join(exec_root, "exec-pool"), device, kvd, tracer, arena_bytes=exec_arena)) \
+                        or {"error": "failed"}
                 budget.phases_left -= 1
                 step_done()
                 progress("128k match")
                 with tracer.rf("bench/match"):
                     res["match"] = guarded("match time", lambda: match_time(
                         os.path.join(exec_root, "match-pool"), device, args.io_threads, kvd, tracer,
-                        budget.cap(5.0))) or {"error": "failed"}
+                        budget.cap(5.0), arena_bytes=exec_arena)) or {"error": "failed"}
                 budget.phases_left -= 1
                 step_done()
                 for d in ("exec-pool", "match-pool"):

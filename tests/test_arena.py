@@ -195,3 +195,35 @@ def test_arena_needs_a_host_memory_filesystem(shm_root, engine, monkeypatch):
         start_arena(pool, engine, s)
     with pytest.raises(SettingsError, match="one pool root"):
         Settings.load_from({"TLLM_GDS_KV_ROOT": "/a:/b", "TLLM_GDS_KV_ARENA_BYTES": "1MiB"})
+
+
+def test_connector_round_trip_with_arena_and_restart(pool_env, monkeypatch, shm_root):
+    from connector_helpers import rand_tokens, serve
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args
+
+    monkeypatch.setenv("TLLM_GDS_KV_ROOT", shm_root)
+    monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", "8MiB")
+    shape = ModelShape(num_layers=2, kv_factor=2, block_elems=1024, tokens_per_block=16)
+    prompts = [rand_tokens(200, 1) + rand_tokens(40, 10 + i) for i in range(4)]
+
+    def executor():
+        llm_args = fake_llm_args(16)
+        return ReferenceExecutor(GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args),
+                                 ExecutorConfig(shape=shape, num_blocks=128, device="cpu", chunk_size=64))
+
+    ex1 = executor()
+    ex1.worker.pool.arena.wait_ready(30)
+    serve(ex1, prompts)
+    saved = ex1.worker.stats.snapshot()
+    ex1.worker.shutdown()
+    assert saved.get("blocks_saved", 0) > 0 and not saved.get("save_arena_fallback")
+    ex2 = executor()
+    ex2.worker.pool.arena.wait_ready(30)
+    assert ex2.worker.pool.arena.usage().get("slabs_adopted", 0) >= 1
+    st = serve(ex2, prompts)
+    assert st.loaded_tokens == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert st.blocks_verified >= st.loaded_tokens // 16
+    for i in range(len(prompts)):
+        assert ex2.output_tokens(i) == ex1.output_tokens(i)
+    ex2.worker.shutdown()

@@ -1,0 +1,90 @@
+"""The slot arena on a CUDA KV pool: registered slabs, coalesced 2D DMA, a second owner's mapping,
+and the connector end to end with TLLM_GDS_KV_ARENA_BYTES on a /dev/shm root."""
+
+import hashlib
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from connector_helpers import serve  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
+from gds_kv_connector.arena import SlotArena  # noqa: E402
+from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.pool import BlockPool  # noqa: E402
+from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
+from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args  # noqa: E402
+
+from test_gpu_connector import PROMPTS  # noqa: E402
+
+FP = hashlib.sha256(b"gpu-arena").digest()
+
+
+@pytest.fixture
+def shm_root():
+    d = f"/dev/shm/gdskv-gpu-arena-{os.getpid()}-{time.time_ns()}"
+    os.makedirs(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _arena_pool(root, engine, payload, slots):
+    pool = BlockPool((root,), FP, payload, 32, refs=True)
+    pool.arena = SlotArena(pool, engine, slots * pool.file_size, 64 * pool.file_size, 0.0)
+    pool.arena.start(background=False)
+    return pool
+
+
+@pytest.mark.parametrize("order", ["consecutive", "shuffled"])
+def test_arena_round_trip_and_second_owner(shm_root, order):
+    payload, n = 256 << 10, 96
+    engine = make_engine("kvikio", torch.device("cuda"), 8)
+    kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device="cuda")
+    idx = list(range(n)) if order == "consecutive" else list(torch.randperm(n).tolist())
+    keys = [hashlib.sha256(bytes([i, 7])).digest() for i in range(n)]
+    a = _arena_pool(shm_root, engine, payload, 128)
+    out = save_blocks(a, engine, [keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
+    assert (out.published, out.arena_fallback, out.failed) == (n, 0, [])
+    # the second owner: its own arena, a's slabs mapped and registered read-side on first use
+    b = _arena_pool(shm_root, make_engine("kvikio", torch.device("cuda"), 8), payload, 64)
+    for pool in (a, b):
+        got = torch.zeros_like(kv)
+        pins = pin_blocks(pool, [keys[i] for i in idx])
+        load_blocks(pool, pool.arena.mapper, pins, [got[i] for i in idx], verify=True, retries=0,
+                    deadline=time.monotonic() + 30)
+        torch.cuda.synchronize()
+        assert torch.equal(got, kv)
+    a.arena.close(), b.arena.close()
+
+
+def test_connector_with_arena_restart_round_trip(pool_env, monkeypatch, shm_root):
+    monkeypatch.setenv("TLLM_GDS_KV_ROOT", shm_root)
+    monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", "64MiB")
+    shape = ModelShape(num_layers=4, kv_factor=2, block_elems=8192, tokens_per_block=16)
+
+    def executor():
+        llm_args = fake_llm_args(16)
+        ex = ReferenceExecutor(GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args),
+                               ExecutorConfig(shape=shape, num_blocks=256, device="cuda", chunk_size=128))
+        return ex
+
+    ex1 = executor()
+    ex1.worker.pool.arena.wait_ready(60)
+    serve(ex1, PROMPTS)
+    saved = ex1.worker.stats.snapshot()
+    ex1.worker.shutdown()
+    assert saved.get("blocks_saved", 0) > 0 and not saved.get("save_arena_fallback")
+    ex2 = executor()  # a restart: adopts ex1's slabs (their owner lock is free) and loads from them
+    ex2.worker.pool.arena.wait_ready(60)
+    assert ex2.worker.pool.arena.usage().get("slabs_adopted", 0) >= 1
+    st = serve(ex2, PROMPTS)
+    assert st.loaded_tokens == sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
+    assert st.blocks_verified >= st.loaded_tokens // 16
+    for i in range(len(PROMPTS)):
+        assert ex2.output_tokens(i) == ex1.output_tokens(i)
+    ex2.worker.shutdown()
