@@ -54,7 +54,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from gds_kv_connector.arena import SlotArena  # noqa: E402
+from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
@@ -1416,7 +1416,8 @@ def main(argv: list[str] | None = None) -> int:
 
                     def one_size() -> None:
                         kv = _rand_bytes((n, size), device, size)
-                        arena = (n + 2) * fsize + (256 << 20) if info["memory"] and not args.shm_files else 0
+                        arena = ((n + 2) * fsize + (256 << 20) if info.get("fs") in HOST_FS_TYPES
+                                 and not args.shm_files else 0)
                         rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
                                            args.io_threads, label, kvd, arena_bytes=arena)
                         try:
@@ -1464,7 +1465,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # -- executor thread
             exec_root = targets.get("shm", next(iter(targets.values()), {"dir": tempfile.mkdtemp()}))["dir"]
-            exec_arena = 512 << 20 if "shm" in targets and not args.shm_files else 0
+            exec_arena = (512 << 20 if "shm" in targets and targets["shm"].get("fs") in HOST_FS_TYPES
+                          and not args.shm_files else 0)
             if not args.no_executor:
                 progress("executor cost")
                 with tracer.rf("bench/executor"):
