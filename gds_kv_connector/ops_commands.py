@@ -20,7 +20,8 @@ from typing import Any
 from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict, expire
 from .metrics import read_owner_stats
-from .pool_format import HEADER_SIZE, FormatError, parse_header
+from .arena import SLABS_DIR
+from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header, parse_ref
 from .pool_scan import (BlockFile, fingerprint_dirs, layout_dir, owners_dir, quarantine_destination,
                         quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
@@ -215,6 +216,8 @@ def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str
     try:
         st = os.fstat(fd)
         raw = os.pread(fd, HEADER_SIZE, 0)
+        if raw[:len(REF_MAGIC)] == REF_MAGIC and is_ref_size(st.st_size):
+            return _verify_ref(root, block, fd, st, quarantine)
         try:
             header = parse_header(raw, key=block.key, file_size=st.st_size)
             if header.fingerprint.hex()[:len(block.fp)] != block.fp:
@@ -231,6 +234,44 @@ def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str
         return "io", f"read failed: {exc.strerror or exc}", 0, None
     finally:
         os.close(fd)
+
+
+def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result,
+                quarantine: bool) -> tuple[str, str, int, str | None]:
+    """An arena reference: check it, then the slab slot it names, like a block file."""
+    raw = _pread_exact(fd, st.st_size, 0)
+    fingerprint, slot_bytes = raw[16:48], int.from_bytes(raw[48:56], "little")
+    try:
+        if fingerprint.hex()[:len(block.fp)] != block.fp:
+            raise FormatError("fingerprint differs from its directory")
+        ref = parse_ref(raw, key=block.key, fingerprint=fingerprint, slot_bytes=slot_bytes)
+    except FormatError as exc:
+        return "header", f"reference: {exc}", len(raw), _quarantine(root, block, st.st_ino, "bad reference", quarantine)
+    slab_path = os.path.join(os.path.dirname(os.path.dirname(block.path)), SLABS_DIR, ref.slab)
+    try:
+        sfd = os.open(slab_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "header", f"slab {ref.slab} is missing", len(raw), _quarantine(
+            root, block, st.st_ino, "missing slab", quarantine)
+    try:
+        off = ref.slot * slot_bytes
+        head = _pread_exact(sfd, HEADER_SIZE, off) if off + slot_bytes <= os.fstat(sfd).st_size else b""
+        try:
+            header = parse_header(head, fingerprint=fingerprint, key=block.key, file_size=slot_bytes)
+            if header.created_ns != ref.created_ns:
+                raise FormatError("slot holds another record than its reference names")
+        except FormatError as exc:
+            return "header", f"slot {ref.slab}#{ref.slot}: {exc}", len(raw) + len(head), _quarantine(
+                root, block, st.st_ino, "bad slot", quarantine)
+        payload = _pread_exact(sfd, header.payload_len, off + HEADER_SIZE)
+        got = checksum_bytes(payload)
+        if got != header.checksum:
+            return ("checksum", f"slot {ref.slab}#{ref.slot}: header {header.checksum:#018x}, data {got:#018x}",
+                    len(raw) + len(head) + len(payload), _quarantine(root, block, st.st_ino, "checksum mismatch",
+                                                                     quarantine))
+        return "ok", "", len(raw) + len(head) + len(payload), None
+    finally:
+        os.close(sfd)
 
 
 def _quarantine(root: str, block: BlockFile, ino: int, reason: str, enabled: bool) -> str | None:

@@ -227,3 +227,21 @@ def test_connector_round_trip_with_arena_and_restart(pool_env, monkeypatch, shm_
     for i in range(len(prompts)):
         assert ex2.output_tokens(i) == ex1.output_tokens(i)
     ex2.worker.shutdown()
+
+
+def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
+    from gds_kv_connector.ops_commands import verify
+
+    a = _pool(shm_root, engine, 8, per_slab=8)
+    keys, d = _keys(4), _data(4, 9)
+    save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)])
+    r = verify(shm_root, workers=2, progress=False)
+    assert (r["checked"], r["ok"], r["bad"]) == (4, 4, 0)
+    ref = a.arena.cached_ref(keys[2])
+    slab = a.arena._slabs[ref.slab]
+    off = ref.slot * a.file_size + 4096 + 7
+    slab.mm[off] = slab.mm[off] ^ 1
+    r = verify(shm_root, workers=2, progress=False)
+    assert (r["ok"], r["reasons"], r["quarantined"]) == (3, {"checksum": 1}, 1)
+    assert not os.path.exists(a.path_for(keys[2])) and os.path.exists(a.path_for(keys[1]))
+    a.arena.close()
