@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import islice
+from typing import Sequence, Union
 
 import numpy as np
 
 from .pool_format import FORMAT_VERSION
 
 KEY_BYTES = 32
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 _DOMAIN_FP = b"gds-kv-connector/fingerprint/v1\0"
 _DOMAIN_SEED = b"gds-kv-connector/chain-seed/v1\0"
 
@@ -69,27 +71,51 @@ def chain_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
     return hashlib.sha256(_DOMAIN_SEED + fingerprint + struct.pack("<I", len(salt)) + salt).digest()
 
 
+def token_array(tokens: Sequence[int], start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Tokens ``[start, stop)`` as a C-contiguous little-endian int64 array (the hashed bytes).
+
+    A list (what the runtime hands over) goes through ``np.fromiter`` with a known count, which
+    skips ``np.asarray``'s type-discovery pass and, with ``start`` 0, any slice copy: this is on
+    the executor thread for every prompt, 128k tokens at a time.  Other sequences (arrays,
+    tensors) keep ``np.asarray``'s vectorised path.
+    """
+    if stop is None:
+        stop = len(tokens)
+    if isinstance(tokens, (list, tuple)):
+        it = tokens if start == 0 else islice(tokens, start, stop)
+        return np.fromiter(it, dtype="<i8", count=max(stop - start, 0))
+    return np.ascontiguousarray(tokens[start:stop], dtype="<i8")
+
+
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int64, the byte form hashed into keys."""
-    return np.asarray(tokens, dtype="<i8").tobytes()
+    return token_array(tokens).tobytes()
 
 
-def extend_chain(prev: bytes, token_bytes: bytes, tokens_per_block: int, first_block: int,
+def extend_chain(prev: bytes, token_bytes: Buffer, tokens_per_block: int, first_block: int,
                  num_blocks: int) -> list[bytes]:
     """Keys of blocks ``first_block .. first_block+num_blocks-1``.
 
     ``prev`` is the key of block ``first_block-1`` (or the chain seed when ``first_block`` is 0),
-    and ``token_bytes`` holds at least the tokens of those blocks as :func:`tokens_to_bytes`.
+    and ``token_bytes`` holds at least the tokens of those blocks as :func:`tokens_to_bytes`
+    (any C-contiguous buffer, e.g. a :func:`token_array`).  Blocks are hashed through a
+    memoryview, so no chunk is copied before it is hashed.
     """
     width = tokens_per_block * 8
-    keys = []
+    buf = memoryview(token_bytes)
+    if buf.format != "B":
+        buf = buf.cast("B")
+    start, end = first_block * width, (first_block + num_blocks) * width
+    if len(buf) < end:
+        b = max(first_block, len(buf) // width)
+        have = max(len(buf) - b * width, 0) // 8
+        raise ValueError(f"block {b} is not full: {have} of {tokens_per_block} tokens")
     sha = hashlib.sha256
-    for b in range(first_block, first_block + num_blocks):
-        chunk = token_bytes[b * width:(b + 1) * width]
-        if len(chunk) != width:
-            raise ValueError(f"block {b} is not full: {len(chunk) // 8} of {tokens_per_block} tokens")
-        prev = sha(prev + chunk).digest()
-        keys.append(prev)
+    keys: list[bytes] = []
+    append = keys.append
+    for off in range(start, end, width):
+        prev = sha(prev + buf[off:off + width]).digest()
+        append(prev)
     return keys
 
 
@@ -97,5 +123,5 @@ def block_keys(fingerprint: bytes, cache_salt: str | None, tokens: Sequence[int]
                tokens_per_block: int) -> list[bytes]:
     """Keys of every full block of ``tokens``."""
     n = len(tokens) // tokens_per_block
-    return extend_chain(chain_seed(fingerprint, cache_salt), tokens_to_bytes(tokens[:n * tokens_per_block]),
+    return extend_chain(chain_seed(fingerprint, cache_salt), token_array(tokens, 0, n * tokens_per_block),
                         tokens_per_block, 0, n)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
-from .keys import base_fingerprint, chain_seed, extend_chain, tokens_to_bytes
+from .keys import base_fingerprint, chain_seed, extend_chain, token_array
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
@@ -24,16 +24,22 @@ from .trtllm_api import KvCacheConnectorScheduler
 
 log = logging.getLogger(__name__)
 _SEEN_CAPACITY = 1 << 20
+_SEEDS_CAPACITY = 4096  # chain seeds remembered per cache salt
+# Built once: a range object keeps no state between enter and exit, and constructing one per
+# callback is measurable on the executor thread.
+_RANGE_MATCH = nvtx_range("sched/match", "green")
+_RANGE_AFTER_ALLOC = nvtx_range("sched/after_alloc", "green")
+_RANGE_BUILD_META = nvtx_range("sched/build_meta", "green")
+_RANGE_FINISHED = nvtx_range("sched/request_finished", "green")
 
 
-@dataclass
+@dataclass(slots=True)  # slots: its fields are read for every request every iteration
 class _Request:
     """What the scheduler knows of one live request."""
 
     rid: int
     seed: bytes
     tokens: list[int] = field(default_factory=list)
-    token_bytes: bytearray = field(default_factory=bytearray)
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
@@ -45,21 +51,24 @@ class _Request:
     reported: bool = False
     dispatched: bool = False  # a save or load was handed to the worker
 
-    def set_tokens(self, tokens: list[int]) -> None:
-        if len(tokens) < len(self.tokens) or tokens[:len(self.tokens)] != self.tokens:
+    def set_tokens(self, tokens: Sequence[int]) -> None:
+        """Hold a copy of ``tokens`` (the only copy made of a prompt)."""
+        new = list(tokens)
+        if len(new) < len(self.tokens) or new[:len(self.tokens)] != self.tokens:
             self.keys.clear()  # a different prefix (replay after reset): keys must be recomputed
-            self.token_bytes = bytearray()
-        self.tokens = list(tokens)
+        self.tokens = new
 
     def keys_upto(self, n_blocks: int, tpb: int) -> list[bytes]:
-        have = len(self.keys)
+        """Keys of blocks ``[0, n_blocks)``; may be ``self.keys`` itself, so never mutate it.
+
+        Only the tokens of blocks not keyed yet are converted, straight from the token list.
+        """
+        keys = self.keys
+        have = len(keys)
         if n_blocks > have:
-            need = n_blocks * tpb
-            if len(self.token_bytes) < need * 8:
-                self.token_bytes += tokens_to_bytes(self.tokens[len(self.token_bytes) // 8:need])
-            prev = self.keys[-1] if self.keys else self.seed
-            self.keys.extend(extend_chain(prev, bytes(self.token_bytes), tpb, have, n_blocks - have))
-        return self.keys[:n_blocks]
+            prev = keys[-1] if have else self.seed
+            keys += extend_chain(prev, token_array(self.tokens, have * tpb, n_blocks * tpb), tpb, 0, n_blocks - have)
+        return keys if len(keys) == n_blocks else keys[:n_blocks]
 
 
 class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
@@ -71,7 +80,13 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self.settings = Settings.load_from()
         self.config: EngineConfig = read_llm_args(llm_args, self.settings.model_id)
+        # read on every callback: plain attributes, not settings lookups
+        self._tpb = self.config.tokens_per_block
+        self._load, self._save = self.settings.load, self.settings.save
+        self._prompt_only = self.settings.admission == "prompt"
         self._peer: PeerInfo | None = None
+        self._base_fp = b""
+        self._seeds: dict[str | None, bytes] = {}
         self._lookup_pools: list[BlockPool] = []
         self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
@@ -91,10 +106,12 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 raise RuntimeError("gds-kv-connector: the scheduler found no worker in this process; "
                                    "register_kv_caches / register_kv_cache_layout must run first")
             self._peer = peer
+            self._base_fp = base_fingerprint(peer.geometry)
             self._recency = RecencyLog.for_process(self.settings.roots)
             self._lookup_pools = [
                 BlockPool(self.settings.roots, fp, peer.block_bytes, self.config.tokens_per_block,
-                          share_group=self.settings.share_group, index_ttl_s=self.settings.index_ttl_s)
+                          share_group=self.settings.share_group, index_ttl_s=self.settings.index_ttl_s,
+                          refs=self.settings.arena_bytes > 0)
                 for fp in peer.fingerprints]
         return self._peer
 
@@ -109,18 +126,24 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         if st is None:
             if not isinstance(request_or_id, int):
                 salt = _cache_salt(request_or_id)
-            st = _Request(rid, chain_seed(base_fingerprint(self._connect().geometry), salt))
+            seed = self._seeds.get(salt)
+            if seed is None:
+                self._connect()
+                if len(self._seeds) >= _SEEDS_CAPACITY:
+                    self._seeds.clear()
+                seed = self._seeds[salt] = chain_seed(self._base_fp, salt)
+            st = _Request(rid, seed)
             self._reqs[rid] = st
         return st
 
     # -- admission --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
-        with nvtx_range("sched/match", "green"):
-            if getattr(request, "is_dummy_request", False) or not self.settings.load:
+        with _RANGE_MATCH:
+            if not self._load or getattr(request, "is_dummy_request", False):
                 return 0, False
-            tpb = self.config.tokens_per_block
+            tpb = self._tpb
             st = self._state(request)
-            st.set_tokens(list(request.get_tokens(0)))
+            st.set_tokens(request.get_tokens(0))
             st.prompt_len = len(st.tokens)
             if num_computed_tokens % tpb:
                 return 0, False
@@ -140,30 +163,36 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             if n == 0:
                 return 0, False
             is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
-            self._recency.touch(keys[first:first + n])  # protects the promise from eviction until pinned
-            st.pending_load = (first, keys[first:first + n], is_async)
+            hit = keys[first:first + n]
+            self._recency.touch(hit)  # protects the promise from eviction until pinned
+            st.pending_load = (first, hit, is_async)
             return n * tpb, is_async
 
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
-        with nvtx_range("sched/after_alloc", "green"):
+        with _RANGE_AFTER_ALLOC:
             st = self._reqs.get(_request_id(request))
             if st is None or st.pending_load is None:
                 return
             first, keys, is_async = st.pending_load
             st.pending_load = None
-            ids = list(block_ids[first:first + len(keys)])
-            if len(ids) < len(keys):
-                raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {len(keys)} blocks from "
+            n = len(keys)
+            ids = block_ids[first:first + n]
+            if len(ids) < n:
+                raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {n} blocks from "
                                    f"block {first} but only {len(ids)} pages were allocated")
-            pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
-            if not pairs:
-                return
-            self._out_loads.append(LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs),
-                                          is_async))
-            st.load_range = (first, first + len(keys))
-            st.kv_end = max(st.kv_end, (first + len(keys)) * self.config.tokens_per_block)
+            if min(ids) >= 0:
+                op = LoadOp(st.rid, tuple(keys), tuple(ids), is_async)
+            else:
+                pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
+                if not pairs:
+                    return
+                op = LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs), is_async)
+            self._out_loads.append(op)
+            tpb = self._tpb
+            st.load_range = (first, first + n)
+            st.kv_end = max(st.kv_end, (first + n) * tpb)
             if not is_async:
-                st.sync_loaded_tokens = len(keys) * self.config.tokens_per_block
+                st.sync_loaded_tokens = n * tpb
             st.dispatched = True
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
@@ -178,61 +207,80 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
     # -- per iteration ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> object:
-        with nvtx_range("sched/build_meta", "green"):
+        with _RANGE_BUILD_META:
             saves = self._out_saves
+            on_report, due_save = self._on_report, self._due_save
             for rd in scheduler_output.new_requests:
-                self._on_report(rd, first=True)
-                saves.extend(self._due_saves(self._reqs[rd.request_id]))
+                op = due_save(on_report(rd, True))
+                if op is not None:
+                    saves.append(op)
             for rd in scheduler_output.cached_requests:
-                self._on_report(rd, first=False)
-                saves.extend(self._due_saves(self._reqs[rd.request_id]))
+                op = due_save(on_report(rd, False))
+                if op is not None:
+                    saves.append(op)
             meta = GdsKvMetadata(self._out_loads, saves)
             self._out_loads, self._out_saves = [], []
             return meta
 
-    def _on_report(self, rd: Any, first: bool) -> None:
-        st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
+    def _on_report(self, rd: Any, first: bool) -> _Request:
+        """Fold one request's report into its state; runs for every scheduled request every iteration."""
+        st = self._reqs.get(rd.request_id)
+        if st is None:
+            st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
         if first and not st.reported:
             if rd.new_tokens:
-                st.set_tokens(list(rd.new_tokens))
+                st.set_tokens(rd.new_tokens)
             st.prompt_len = st.prompt_len or len(st.tokens)
         else:
             st.tokens.extend(rd.new_tokens)
         st.reported = True
-        blocks = list(rd.new_block_ids)
-        by_group = getattr(rd, "new_block_ids_by_layer_group", None) or []
-        if not blocks and len(by_group) == 1:
-            blocks = list(by_group[0])
-        st.block_ids.extend(blocks)
-        computed = rd.computed_position + (st.sync_loaded_tokens if first else 0)
-        st.kv_end = max(st.kv_end, computed + rd.num_scheduled_tokens)
+        blocks = rd.new_block_ids
+        if not blocks:
+            by_group = getattr(rd, "new_block_ids_by_layer_group", None)
+            blocks = by_group[0] if by_group and len(by_group) == 1 else ()
+        if blocks:
+            st.block_ids.extend(blocks)
+        end = rd.computed_position + rd.num_scheduled_tokens + (st.sync_loaded_tokens if first else 0)
+        if end > st.kv_end:
+            st.kv_end = end
+        return st
 
-    def _due_saves(self, st: _Request) -> list[SaveOp]:
-        """Blocks that are full and whose KV the forward will have written this iteration."""
-        if not self.settings.save:
-            return []
-        tpb = self.config.tokens_per_block
-        full = min(len(st.tokens), st.kv_end) // tpb
-        if self.settings.admission == "prompt":
-            full = min(full, st.prompt_len // tpb)
-        full = min(full, len(st.block_ids))  # a block id is known only once reported
-        if full <= st.next_save:
-            return []
+    def _due_save(self, st: _Request) -> SaveOp | None:
+        """Blocks that are full and whose KV the forward will have written this iteration.
+
+        Called for every request every iteration; most have completed no block since the last
+        call, so that case is settled by a few comparisons before any list is built.
+        """
+        tpb = self._tpb
+        start = st.next_save
+        if st.kv_end < (start + 1) * tpb or not self._save:  # the KV of no further block is written yet
+            return None
+        # floor(min(...) / tpb) == min of the floors: full blocks of tokens, of written KV and of
+        # reported block ids (and of the prompt, when only prompts are saved)
+        full = min(len(st.tokens), st.kv_end, len(st.block_ids) * tpb)
+        if self._prompt_only:
+            full = min(full, st.prompt_len)
+        full //= tpb
+        if full <= start:
+            return None
         keys = st.keys_upto(full, tpb)
         lo, hi = st.load_range
-        candidates = [b for b in range(st.next_save, full) if st.block_ids[b] >= 0 and not lo <= b < hi]
-        sel = [b for b in candidates if self._admit(keys[b])]
+        ids = st.block_ids
+        sel = [b for b in range(start, full) if ids[b] >= 0 and not lo <= b < hi]
         st.next_save = full
-        if len(sel) < len(candidates):
-            self._connect().stats.add("save_blocks_not_admitted", len(candidates) - len(sel))
+        if self._min_seen:
+            admitted = [b for b in sel if self._admit(keys[b])]
+            if len(admitted) < len(sel):
+                self._connect().stats.add("save_blocks_not_admitted", len(sel) - len(admitted))
+            sel = admitted
         if not sel:
-            return []
+            return None
         st.dispatched = True
-        return [SaveOp(st.rid, tuple(keys[b] for b in sel), tuple(keys[b - 1] if b else ZERO_KEY for b in sel),
-                       tuple(st.block_ids[b] for b in sel))]
+        return SaveOp(st.rid, tuple([keys[b] for b in sel]), tuple([keys[b - 1] if b else ZERO_KEY for b in sel]),
+                      tuple([ids[b] for b in sel]))
 
     def _admit(self, key: bytes) -> bool:
-        return self._min_seen == 0 or self._seen.get(key, 0) >= self._min_seen
+        return self._seen.get(key, 0) >= self._min_seen
 
     def _note_seen(self, keys: list[bytes]) -> None:
         if not self._min_seen:
@@ -244,23 +292,28 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
     # -- completion -------------------------------------------------------------------------------
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
-        with nvtx_range("sched/request_finished", "green"):
+        with _RANGE_FINISHED:
             if getattr(request, "is_dummy_request", False):
                 return False
             st = self._reqs.pop(_request_id(request), None)
             if st is None:
                 return False
-            tokens = list(request.get_tokens(0))
-            if len(tokens) > len(st.tokens) and tokens[:len(st.tokens)] == st.tokens:
-                st.tokens = tokens
-            if len(cache_block_ids) > len(st.block_ids):
-                st.block_ids = list(cache_block_ids)
-            final = self._due_saves(st)
-            if final:
-                if self._sole_worker:
-                    self._connect().deliver_saves(final)
-                else:
-                    self._out_saves.extend(final)
+            if self._save:  # the final tokens and block ids matter only to the last save
+                tokens = request.get_tokens(0)
+                if not isinstance(tokens, list):
+                    tokens = list(tokens)
+                have = len(st.tokens)
+                # tokens that complete no further block cannot change the save: skip the compare
+                if len(tokens) // self._tpb > have // self._tpb and tokens[:have] == st.tokens:
+                    st.tokens = tokens  # st is dropped after this call, so sharing the list is safe
+                if len(cache_block_ids) > len(st.block_ids):
+                    st.block_ids = list(cache_block_ids)
+                final = self._due_save(st)
+                if final is not None:
+                    if self._sole_worker:
+                        self._connect().deliver_saves([final])
+                    else:
+                        self._out_saves.append(final)
             return st.dispatched
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: List[List[int]]) -> bool:

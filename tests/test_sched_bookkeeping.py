@@ -1,0 +1,88 @@
+"""The scheduler's per-iteration plan: what is saved, with which keys, and when nothing is due."""
+
+import torch
+
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.block_io import save_blocks
+from gds_kv_connector.keys import base_fingerprint, block_keys
+from gds_kv_connector.pool_format import ZERO_KEY
+from gds_kv_connector.reference import SimRequest, fake_llm_args
+from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
+
+TPB = 4
+
+
+def _pair():
+    la = fake_llm_args(TPB, model="sched-bookkeeping")
+    worker = GdsKvConnectorWorker(la)
+    worker.register_kv_caches(torch.zeros((16, 1, 2, 1024), dtype=torch.bfloat16))
+    sched = GdsKvConnectorScheduler(la)
+    sched.wait_for_initialization()
+    return sched, worker
+
+
+def _keys(sched, tokens):
+    return block_keys(base_fingerprint(sched._peer.geometry), None, tokens, TPB)
+
+
+def _report(sched, rid, tokens, block_ids, computed, scheduled, first):
+    out = SchedulerOutput()
+    rd = RequestData(request_id=rid, new_tokens=tokens, new_block_ids=block_ids, computed_position=computed,
+                     num_scheduled_tokens=scheduled)
+    (out.new_requests if first else out.cached_requests).append(rd)
+    return sched.build_connector_meta(out)
+
+
+def test_saves_carry_chain_keys_and_only_completed_blocks(pool_env):
+    sched, worker = _pair()
+    try:
+        prompt = list(range(100, 110))  # two full blocks and two tokens
+        assert sched.get_num_new_matched_tokens(SimRequest(1, prompt, tokens=list(prompt)), 0) == (0, False)
+        meta = _report(sched, 1, prompt, [7, 8, 9], 0, len(prompt), first=True)
+        keys = _keys(sched, prompt)
+        assert [(s.keys, s.parents, s.block_ids) for s in meta.saves] == [(tuple(keys), (ZERO_KEY, keys[0]), (7, 8))]
+        tokens = prompt + [1]  # decode: the third block is not full yet
+        assert not _report(sched, 1, [1], [], len(tokens) - 1, 1, first=False).saves
+        tokens.append(2)  # its last token, whose KV this step writes
+        meta = _report(sched, 1, [2], [], len(tokens) - 1, 1, first=False)
+        k3 = _keys(sched, tokens)[2]
+        assert [(s.keys, s.parents, s.block_ids) for s in meta.saves] == [((k3,), (keys[1],), (9,))]
+    finally:
+        worker.shutdown()
+
+
+def test_request_finished_saves_a_block_completed_by_unreported_tokens(pool_env):
+    sched, worker = _pair()
+    delivered = []
+    sched._connect().deliver_saves = delivered.extend
+    try:
+        prompt = list(range(200, 206))
+        req = SimRequest(2, prompt, tokens=list(prompt))
+        sched.get_num_new_matched_tokens(req, 0)
+        assert len(_report(sched, 2, prompt, [3, 4], 0, len(prompt), first=True).saves) == 1
+        # the next step writes the KV of positions 6 and 7, whose tokens are never reported (overlap)
+        assert not _report(sched, 2, [], [], len(prompt), 2, first=False).saves
+        req.tokens = prompt + [1, 2]
+        assert sched.request_finished(req, [3, 4, 5]) is True
+        want = _keys(sched, req.tokens)
+        assert [(s.keys, s.parents, s.block_ids) for s in delivered] == [((want[1],), (want[0],), (4,))]
+    finally:
+        worker.shutdown()
+
+
+def test_a_load_skips_blocks_without_a_page(pool_env):
+    sched, worker = _pair()
+    try:
+        prompt = list(range(300, 313))  # three full blocks, one token to compute
+        keys = _keys(sched, prompt)
+        data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
+        assert not save_blocks(worker.pool, worker.transfers.engine, keys, [ZERO_KEY] + keys[:-1],
+                               [data] * len(keys)).failed
+        req = SimRequest(3, prompt, tokens=list(prompt))
+        matched, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert matched == 3 * TPB
+        sched.update_state_after_alloc(req, [5, -1, 6, 7])
+        meta = sched.build_connector_meta(SchedulerOutput())
+        assert [(op.keys, op.block_ids) for op in meta.loads] == [((keys[0], keys[2]), (5, 6))]
+    finally:
+        worker.shutdown()
