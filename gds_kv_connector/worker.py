@@ -89,9 +89,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             meta = self._metadata
             if not isinstance(meta, GdsKvMetadata) or not meta.loads:
                 return
-            event = self._record_event(stream)
-            for op in meta.loads:
-                self.transfers.submit_load(op, event)
+            self.transfers.submit_loads(meta.loads, self._record_event(stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.transfers is not None and self.transfers.has_sync_loads:
@@ -108,9 +106,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             event = self._record_event(stream)
             self.transfers.note_forward_event(event)
             meta = self._metadata
-            if isinstance(meta, GdsKvMetadata):
-                for op in meta.saves:
-                    self.transfers.submit_save(op, event)
+            if isinstance(meta, GdsKvMetadata) and meta.saves:
+                self.transfers.submit_saves(meta.saves, event)
 
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
