@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ class TransferManager:
         self.pool, self.engine, self.kv, self.settings, self.stats = pool, engine, kv, settings, stats
         self._on_saved = on_saved  # bytes of files published, for the capacity guard
         self._exec = ThreadPoolExecutor(max_workers=settings.transfer_threads, thread_name_prefix="gdskv-xfer")
+        # Start every transfer thread now: ThreadPoolExecutor starts them lazily, one per submit, which
+        # would put thread creation on the executor thread in the first iteration that transfers.
+        started = threading.Barrier(settings.transfer_threads + 1)
+        for _ in range(settings.transfer_threads):
+            self._exec.submit(started.wait)
+        started.wait()
         self._jobs: dict[int, list[_Job]] = {}
         self._sync_loads: list[_Job] = []
         self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
