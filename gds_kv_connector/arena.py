@@ -48,6 +48,7 @@ SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
+_REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
 
 
 class HostMapper(Protocol):
@@ -98,6 +99,7 @@ class SlotArena:
         self._free: collections.deque[tuple[float, str, int]] = collections.deque()  # (ready at, slab, slot)
         self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
+        self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
         self.owned_slots = 0
         self.stats = collections.Counter()
         self._ready = threading.Event()
@@ -359,6 +361,17 @@ class SlotArena:
         self.stats["reclaimed"] += len(freed)
 
     # -- reading ----------------------------------------------------------------------------------
+    def note_ref_file(self, ident: tuple[int, int, int], entries: dict[bytes, SlotRef]) -> None:
+        """Remember a parsed reference file; they are never rewritten, so (inode, size, ctime) names
+        its content (a link or unlink changes the ctime, which only costs a re-read)."""
+        if len(self._ref_files) >= _REF_FILE_CACHE:
+            self._ref_files.clear()
+        self._ref_files[ident] = entries
+
+    def ref_file_entry(self, ident: tuple[int, int, int], key: bytes) -> SlotRef | None:
+        entries = self._ref_files.get(ident)
+        return None if entries is None else entries.get(key)
+
     def cached_ref(self, key: bytes) -> SlotRef | None:
         return self._where.get(key)
 

@@ -104,7 +104,8 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     try:
         for slab, slot in slots:
             arena.clear_header(slab, slot)
-        engine.copy_to_host([(arena.payload_addr(slab, slot), views[i]) for i, (slab, slot) in zip(todo, slots)])
+        engine.copy_to_host([(arena.payload_addr(slab, slot), views[i]) for i, (slab, slot) in zip(todo, slots)],
+                            arena.slot_bytes)
     except BaseException as exc:
         for slab, slot in slots:
             arena.release(slab, slot)
@@ -186,7 +187,7 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                 attempt += 1
                 log.info("retrying a block header read after %s (attempt %d of %d)", exc, attempt, retries)
     if slot_pairs:
-        engine.copy_from_host(slot_pairs)
+        engine.copy_from_host(slot_pairs, pool.file_size)
         for n, raw in slot_raw.items():
             if not pool.arena.unchanged(pins[n].slot, raw):
                 pool.arena.forget(pins[n].key)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
 from .pool_format import (HEADER_SIZE, MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
-                          SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_ref)
+                          SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_ref,
+                          parse_refs)
 
 if TYPE_CHECKING:
     from .arena import SlotArena
@@ -156,6 +157,17 @@ class BlockPool:
             ref = self.arena.cached_ref(key)
             if ref is not None:
                 return Pin(key, path, -1, 0, ref)
+            # A reference file read before (one per save batch) is known by inode, size and ctime: one
+            # lstat instead of open, read, parse and close for each of its keys.
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode):
+                ref = self.arena.ref_file_entry((st.st_ino, st.st_size, st.st_ctime_ns), key)
+                if ref is not None:
+                    self.arena.remember(ref)
+                    return Pin(key, path, -1, st.st_ino, ref)
         try:
             fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -201,6 +213,14 @@ class BlockPool:
     def _parse_ref_fd(self, fd: int, key: bytes, size: int) -> SlotRef:
         raw = bytearray(size)
         read_exact(self.ops, fd, raw, 0)
+        if self.arena is not None:
+            st = self.ops.fstat(fd)
+            entries = parse_refs(bytes(raw), fingerprint=self.fingerprint, slot_bytes=self.file_size)
+            self.arena.note_ref_file((st.st_ino, st.st_size, st.st_ctime_ns), entries)
+            ref = entries.get(key)
+            if ref is None:
+                raise FormatError("reference file has no entry for its key")
+            return ref
         return parse_ref(bytes(raw), key=key, fingerprint=self.fingerprint, slot_bytes=self.file_size)
 
     def read_ref(self, key: bytes) -> SlotRef | None:

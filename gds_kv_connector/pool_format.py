@@ -21,6 +21,7 @@ _FIXED = struct.Struct("<8sII32s32sQQIIQII32s")  # fields up to and excluding he
 _CRC = struct.Struct("<I")
 CRC_OFFSET = _FIXED.size  # 152
 ZERO_KEY = b"\0" * 32
+_ZERO_TAIL = bytes(HEADER_SIZE - CRC_OFFSET - _CRC.size)
 
 
 class FormatError(ValueError):
@@ -70,7 +71,7 @@ def parse_header(raw: bytes, *, fingerprint: bytes | None = None, key: bytes | N
     (crc,) = _CRC.unpack_from(raw, CRC_OFFSET)
     if crc != zlib.crc32(raw[:CRC_OFFSET]):
         raise FormatError("header checksum mismatch")
-    if any(raw[CRC_OFFSET + _CRC.size:]):
+    if raw[CRC_OFFSET + _CRC.size:] != _ZERO_TAIL:  # a memcmp; any() would walk 3940 ints
         raise FormatError("non-zero bytes in the reserved header tail")
     if flags != 0 or reserved != 0:
         raise FormatError(f"unknown flags {flags:#x} / reserved {reserved:#x}")
@@ -137,6 +138,14 @@ def pack_refs(fingerprint: bytes, slot_bytes: int, slab: str, entries: list[Slot
 
 def parse_ref(raw: bytes, *, key: bytes, fingerprint: bytes, slot_bytes: int) -> SlotRef:
     """The entry of ``key`` in a reference file, after checking every field of the file."""
+    ref = parse_refs(raw, fingerprint=fingerprint, slot_bytes=slot_bytes).get(key)
+    if ref is None:
+        raise FormatError("reference file has no entry for its key")
+    return ref
+
+
+def parse_refs(raw: bytes, *, fingerprint: bytes, slot_bytes: int) -> dict[bytes, SlotRef]:
+    """Every entry of a reference file by key, after checking every field of the file."""
     if len(raw) < REF_HEADER_SIZE or not is_ref_size(len(raw)):
         raise FormatError(f"reference file is {len(raw)} bytes, not a valid size")
     magic, version, count, fp, sbytes, slab_raw, reserved = _REF_FIXED.unpack_from(raw)
@@ -159,15 +168,9 @@ def parse_ref(raw: bytes, *, key: bytes, fingerprint: bytes, slot_bytes: int) ->
     if b"\0" in slab:
         raise FormatError("slab name has embedded NUL bytes")
     name = check_slab_name(slab.decode("ascii", "replace"))
-    pos = REF_HEADER_SIZE
-    while True:
-        pos = raw.find(key, pos)
-        if pos < 0:
-            raise FormatError("reference file has no entry for its key")
-        if (pos - REF_HEADER_SIZE) % REF_ENTRY_SIZE == 0:
-            break
-        pos += 1
-    k, slot, res, created = _REF_ENTRY.unpack_from(raw, pos)
-    if res != 0:
-        raise FormatError("reserved reference entry field is not zero")
-    return SlotRef(k, name, slot, created)
+    out: dict[bytes, SlotRef] = {}
+    for k, slot, res, created in _REF_ENTRY.iter_unpack(memoryview(raw)[REF_HEADER_SIZE:]):
+        if res != 0:
+            raise FormatError("reserved reference entry field is not zero")
+        out[k] = SlotRef(k, name, slot, created)
+    return out

@@ -107,7 +107,11 @@ def _opt_version(mod: str) -> str | None:
 
 
 def git_commit() -> dict:
+    """GDS_KV_COMMIT wins when set: a copied working tree (the device machine's) can carry a stale .git."""
     out: dict[str, Any] = {"commit": None, "dirty": None, "source": None}
+    if os.environ.get("GDS_KV_COMMIT"):
+        out["commit"], out["source"] = os.environ["GDS_KV_COMMIT"], "env GDS_KV_COMMIT"
+        return out
     try:
         head = subprocess.run(["git", "-C", _REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode == 0 and head.stdout.strip():
@@ -117,8 +121,6 @@ def git_commit() -> dict:
             out["dirty"] = bool(st.stdout.strip()) if st.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         pass
-    if out["commit"] is None and os.environ.get("GDS_KV_COMMIT"):
-        out["commit"], out["source"] = os.environ["GDS_KV_COMMIT"], "env GDS_KV_COMMIT"
     return out
 
 

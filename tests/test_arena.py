@@ -177,14 +177,14 @@ def test_reference_format_is_strict():
         pack_refs(FP, 8192, "../x", refs)
 
 
-def test_coalesce_joins_runs_at_constant_strides():
+def test_coalesce_joins_consecutive_slots_only():
     w, slot = 1000, 5096
-    items = [(10_000 + i * slot, 1 << 20 | i * w, w) for i in (3, 0, 1, 2)]  # shuffled
+    items = [(10_000 + i * slot, (1 << 20) + i * w, w) for i in (3, 0, 1, 2)]  # shuffled
     items.append((900_000, (1 << 20) + 7 * w, w))  # device gap: a new run
     items.append((900_000 + slot, (1 << 20) + 8 * w, w))
-    assert coalesce(items) == [(10_000, 1 << 20, w, slot, 4), (900_000, (1 << 20) + 7 * w, w, slot, 2)]
-    # host side not at the run's stride: split
-    assert len(coalesce([(0, 0, w, ), (slot, w, w), (3 * slot, 2 * w, w)])) == 2
+    assert coalesce(items, slot) == [(10_000, 1 << 20, w, slot, 4), (900_000, (1 << 20) + 7 * w, w, slot, 2)]
+    # slots not consecutive (a larger stride) stay separate copies
+    assert len(coalesce([(0, 0, w), (2 * slot, w, w), (4 * slot, 2 * w, w)], slot)) == 3
 
 
 def test_arena_needs_a_host_memory_filesystem(shm_root, engine, monkeypatch):

@@ -50,11 +50,12 @@ class IoEngine(ABC):
         """Undo :meth:`register_host` before the range is unmapped."""
 
     @abstractmethod
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        """Copy each view to the host address paired with it; returns when the bytes are there."""
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        """Copy each view to the host address paired with it; returns when the bytes are there.
+        Host addresses ``pitch`` apart (consecutive slots) may be moved as one strided copy."""
 
     @abstractmethod
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         """Copy from each host address into the view paired with it; returns when they are there."""
 
     def close(self) -> None:

@@ -40,10 +40,11 @@ class CudaHostDma:
         with self._cupy.cuda.Device(self._index):
             self._rt.hostUnregister(addr)
 
-    def copy(self, pairs: list[tuple[int, torch.Tensor]], to_host: bool) -> None:
+    def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
         if not pairs:
             return
-        runs = coalesce([(addr, _device_ptr(view), view.numel() * view.element_size()) for addr, view in pairs])
+        runs = coalesce([(addr, _device_ptr(view), view.numel() * view.element_size()) for addr, view in pairs],
+                        pitch)
         streams = self._streams()
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):
@@ -72,24 +73,22 @@ class CudaHostDma:
         return streams
 
 
-def coalesce(items: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """(host, device, width) copies -> runs (host, device, width, host_pitch, rows).
+def coalesce(items: list[tuple[int, int, int]], pitch: int) -> list[tuple[int, int, int, int, int]]:
+    """(host, device, width) copies -> runs (host, device, width, pitch, rows).
 
     Consecutive items (by device address) join a run when the device side is contiguous
-    (stride == width) and the host side keeps the run's stride; the first pair of a run fixes
-    the host stride.  Pure arithmetic, so the CPU tests cover it.
+    (stride == width) and the host side is the next slot (stride == ``pitch``, the slot size).
+    Pure arithmetic, so the CPU tests cover it.
     """
     runs: list[list[int]] = []
     for host, dev, width in sorted(items, key=lambda t: t[1]):
         if runs:
             r = runs[-1]
-            r_host, r_dev, r_width, r_pitch, r_rows = r
-            if width == r_width and dev == r_dev + r_rows * r_width:
-                pitch = host - r_host if r_rows == 1 else r_pitch
-                if pitch >= width and host == r_host + r_rows * pitch:
-                    r[3], r[4] = pitch, r_rows + 1
-                    continue
-        runs.append([host, dev, width, width, 1])
+            r_host, r_dev, r_width, _, r_rows = r
+            if width == r_width and dev == r_dev + r_rows * width and host == r_host + r_rows * pitch:
+                r[4] = r_rows + 1
+                continue
+        runs.append([host, dev, width, max(pitch, width), 1])
     return [tuple(r) for r in runs]  # type: ignore[misc]
 
 

@@ -146,11 +146,11 @@ class KvikioEngine(IoEngine):
     def unregister_host(self, addr: int) -> None:
         self._dma().unregister(addr)
 
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        self._dma().copy(pairs, to_host=True)
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        self._dma().copy(pairs, pitch, to_host=True)
 
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        self._dma().copy(pairs, to_host=False)
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        self._dma().copy(pairs, pitch, to_host=False)
 
     def _dma(self) -> CudaHostDma:
         if self._host_dma is None:

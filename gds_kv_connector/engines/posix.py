@@ -40,11 +40,11 @@ class PosixEngine(IoEngine):
             return [checksum_bytes(_host_bytes(v)) for v in views]
         return list(self._pool.map(lambda v: checksum_bytes(_host_bytes(v)), views))
 
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
             ctypes.memmove(addr, _host_bytes(view).ctypes.data, view.numel() * view.element_size())
 
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
             ctypes.memmove(_host_bytes(view).ctypes.data, addr, view.numel() * view.element_size())
 
