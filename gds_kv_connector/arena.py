@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -49,6 +50,7 @@ SLAB_SUFFIX = ".slab"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
+_WHERE_CACHE = 1 << 20  # remembered key locations (about 200 bytes each)
 
 
 class HostMapper(Protocol):
@@ -322,7 +324,7 @@ class SlotArena:
         with self._lock:
             for ref in refs:
                 self._used[(ref.slab, ref.slot)] = (ref.key, ref.created_ns)
-                self._where[ref.key] = ref
+                self.remember(ref)
 
     def release(self, slab: str, slot: int) -> None:
         """A slot that was never published (lost race, failed copy): free at once."""
@@ -363,10 +365,14 @@ class SlotArena:
     # -- reading ----------------------------------------------------------------------------------
     def note_ref_file(self, ident: tuple[int, int, int], entries: dict[bytes, SlotRef]) -> None:
         """Remember a parsed reference file; they are never rewritten, so (inode, size, ctime) names
-        its content (a link or unlink changes the ctime, which only costs a re-read)."""
+        its content (a link or unlink changes the ctime, which only costs a re-read).  Its entries
+        are remembered as locations too: blocks saved in one batch are usually loaded together, and
+        a remembered location is checked against the slot's header before every copy anyway."""
         if len(self._ref_files) >= _REF_FILE_CACHE:
             self._ref_files.clear()
         self._ref_files[ident] = entries
+        for ref in entries.values():
+            self.remember(ref)
 
     def ref_file_entry(self, ident: tuple[int, int, int], key: bytes) -> SlotRef | None:
         entries = self._ref_files.get(ident)
@@ -376,7 +382,11 @@ class SlotArena:
         return self._where.get(key)
 
     def remember(self, ref: SlotRef) -> None:
-        self._where[ref.key] = ref
+        where = self._where
+        if len(where) >= _WHERE_CACHE:  # drop the oldest eighth; forgetting only costs a lookup
+            for key in list(itertools.islice(where, _WHERE_CACHE // 8)):
+                where.pop(key, None)
+        where[ref.key] = ref
 
     def forget(self, key: bytes) -> None:
         self._where.pop(key, None)
