@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from .pool_format import HEADER_SIZE, FormatError, SlotRef, check_slab_name, parse_header
+from .pool_format import HEADER_SIZE, BlockHeader, FormatError, SlotRef, check_slab_name, parse_header
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -316,9 +316,11 @@ class SlotArena:
         off = slot * self.slot_bytes
         self._slabs[slab].mm[off:off + 8] = b"\0" * 8
 
-    def write_header(self, slab: str, slot: int, header: bytes) -> None:
+    def write_header(self, slab: str, slot: int, fields: bytes) -> None:
+        """Write a header's fields (BlockHeader.pack_fields); the zero tail of the header page is
+        never written non-zero in a slot, so it stays as the slab was created."""
         off = slot * self.slot_bytes
-        self._slabs[slab].mm[off:off + HEADER_SIZE] = header
+        self._slabs[slab].mm[off:off + len(fields)] = fields
 
     def published(self, refs: list[SlotRef]) -> None:
         with self._lock:
@@ -391,9 +393,9 @@ class SlotArena:
     def forget(self, key: bytes) -> None:
         self._where.pop(key, None)
 
-    def check_record(self, ref: SlotRef) -> tuple[bytes, int]:
-        """The slot's header bytes and payload address, after checking the header names this
-        key and creation time (raises FormatError if the slot was reused or is damaged)."""
+    def check_record(self, ref: SlotRef) -> tuple[bytes, BlockHeader, int]:
+        """The slot's header bytes, header and payload address, after checking the header names
+        this key and creation time (raises FormatError if the slot was reused or is damaged)."""
         slab = self._slab(ref.slab)
         if not 0 <= ref.slot < slab.nslots:
             raise FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
@@ -403,7 +405,7 @@ class SlotArena:
                               payload_len=self.pool.payload_len)
         if header.created_ns != ref.created_ns:
             raise FormatError("slot holds a newer record of this key than its reference (reused)")
-        return raw, slab.base + off + HEADER_SIZE
+        return raw, header, slab.base + off + HEADER_SIZE
 
     def unchanged(self, ref: SlotRef, raw: bytes) -> bool:
         """After a copy out of the slot: True if its header is still the one checked before."""

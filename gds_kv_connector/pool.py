@@ -119,6 +119,11 @@ class BlockPool:
         self._index[key] = now + self.index_ttl_s
         return True
 
+    def indexed(self, key: bytes) -> bool:
+        """True if this process saw the key published within index_ttl_s (no system call)."""
+        expires = self._index.get(key)
+        return expires is not None and expires > time.monotonic()
+
     def count_present(self, keys: list[bytes], start: int = 0) -> int:
         """How many consecutive keys from ``start`` are in the pool.
 

@@ -40,11 +40,14 @@ class BlockHeader:
     parent_key: bytes = ZERO_KEY
 
     def pack(self) -> bytes:
+        return self.pack_fields() + _ZERO_TAIL
+
+    def pack_fields(self) -> bytes:
+        """The header up to and including its CRC; the rest of the 4096 bytes is zero."""
         fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self.fingerprint, self.key,
                             self.payload_len, self.checksum, self.checksum_algo, self.tokens_per_block,
                             self.created_ns, 0, 0, self.parent_key)
-        crc = zlib.crc32(fixed)
-        return fixed + _CRC.pack(crc) + b"\0" * (HEADER_SIZE - CRC_OFFSET - _CRC.size)
+        return fixed + _CRC.pack(zlib.crc32(fixed))
 
 
 def file_size_for(payload_len: int) -> int:

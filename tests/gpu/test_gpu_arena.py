@@ -97,13 +97,14 @@ def test_host_dma_round_trip_in_any_order(shm_root):
     pool = _arena_pool(shm_root, engine, payload, 64)
     slots = pool.arena.alloc(n)
     kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device="cuda")
-    order = torch.randperm(n).tolist()
-    pairs = [(pool.arena.payload_addr(*slots[j]), kv[i]) for j, i in enumerate(order)]
-    engine.copy_to_host(pairs[:20], pool.file_size)  # scattered
-    engine.copy_to_host([(pool.arena.payload_addr(*slots[j]), kv[j]) for j in range(20, n)], pool.file_size)
+    scattered = torch.randperm(n)[:20].tolist()  # 20 blocks into the first 20 slots, in random order
+    rest = sorted(set(range(n)) - set(scattered))  # the others into the next slots, consecutively
+    pairs = ([(pool.arena.payload_addr(*slots[j]), i) for j, i in enumerate(scattered)]
+             + [(pool.arena.payload_addr(*slots[20 + j]), i) for j, i in enumerate(rest)])
+    engine.copy_to_host([(a, kv[i]) for a, i in pairs[:20]], pool.file_size)
+    engine.copy_to_host([(a, kv[i]) for a, i in pairs[20:]], pool.file_size)
     back = torch.zeros_like(kv)
-    engine.copy_from_host([(a, back[i]) for (a, _), i in zip(pairs[:20], order[:20])], pool.file_size)
-    engine.copy_from_host([(pool.arena.payload_addr(*slots[j]), back[j]) for j in range(20, n)], pool.file_size)
+    engine.copy_from_host([(a, back[i]) for a, i in pairs], pool.file_size)
     torch.cuda.synchronize()
     assert torch.equal(back, kv)
     pool.arena.close()
