@@ -77,6 +77,8 @@ class BlockPool:
         self.dir_mode = 0o2770 if share_group else 0o700
         self.roots = tuple(os.path.abspath(r) for r in roots)
         self.fp_dirs = tuple(os.path.join(r, LAYOUT_DIR, fingerprint.hex()[:16]) for r in self.roots)
+        # the directory of every first key byte: root key[0] mod n, then the byte as two hex digits
+        self._key_dirs = tuple(os.path.join(self.fp_dirs[b % len(self.roots)], f"{b:02x}") for b in range(256))
         self._index: dict[bytes, float] = {}
         self.arena: SlotArena | None = None  # set by the worker for a host-memory pool (arena.py)
         self.refs = refs
@@ -95,10 +97,15 @@ class BlockPool:
         return key[0] % len(self.roots)
 
     def dir_for(self, key: bytes) -> str:
-        return os.path.join(self.fp_dirs[self.root_of(key)], key.hex()[:2])
+        if type(key) is not bytes or len(key) != KEY_LEN:
+            _check_key(key)
+        return self._key_dirs[key[0]]
 
     def path_for(self, key: bytes) -> str:
-        return os.path.join(self.dir_for(key), key.hex() + BLOCK_SUFFIX)
+        """Called per block on every transfer path, so it is one table lookup and one format."""
+        if type(key) is not bytes or len(key) != KEY_LEN:
+            _check_key(key)
+        return f"{self._key_dirs[key[0]]}/{key.hex()}{BLOCK_SUFFIX}"
 
     # -- lookup -----------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -276,7 +283,7 @@ class BlockPool:
                 deadline = time.monotonic() + self.index_ttl_s
                 for ref in chunk:
                     final = self.path_for(ref.key)
-                    self._makedirs(os.path.dirname(final))
+                    self._makedirs(self._key_dirs[ref.key[0]])
                     try:
                         self.ops.link(tmp, final)
                     except FileExistsError:
