@@ -91,35 +91,64 @@ def _chunks_per_block(n_blocks: int, length: int, sm_count: int) -> int:
     return min(by_size, by_fill, _MAX_CHUNKS)
 
 
+@dataclass
+class _Staging:
+    """Pinned host memory the kernels read block addresses from and write sums to directly."""
+
+    memory: Any
+    bases: np.ndarray
+    sums: np.ndarray
+
+
+def _staging(device: int, n: int) -> _Staging:
+    """Per (thread, device).  The kernels reach it through unified addressing, so a checksum moves
+    no bytes through the copy engines: a small cudaMemcpy there would queue behind the bulk block
+    DMA of other transfer threads and serialize them."""
+    import cupy
+
+    table = getattr(_local, "staging", None)
+    if table is None:
+        table = _local.staging = {}
+    st = table.get(device)
+    if st is None or st.bases.size < n:
+        cap = max(n, 1024)
+        with cupy.cuda.Device(device):
+            memory = cupy.cuda.alloc_pinned_memory(16 * cap)
+        st = table[device] = _Staging(memory, np.frombuffer(memory, np.uint64, cap, 0),
+                                      np.frombuffer(memory, np.uint64, cap, 8 * cap))
+    return st
+
+
 def _launch(device: int, length: int, pointers: list[int], stream: torch.cuda.Stream | None) -> list[int]:
     import cupy
 
     kernels = _kernels(device)
     n_blocks = len(pointers)
     chunks = _chunks_per_block(n_blocks, length, kernels.sm_count)
+    st = _staging(device, n_blocks)
+    st.bases[:n_blocks] = pointers
+    bases, sums = np.uint64(st.bases.ctypes.data), np.uint64(st.sums.ctypes.data)
     with cupy.cuda.Device(device):
         cp_stream = (_own_stream(device) if stream is None
                      else cupy.cuda.ExternalStream(stream.cuda_stream, device))
         with cp_stream:
-            bases = cupy.asarray(np.asarray(pointers, dtype=np.uint64))
-            out = cupy.empty(n_blocks, dtype=cupy.uint64)
             if chunks == 1:
-                kernels.partial((n_blocks, 1), (_THREADS,), (bases, np.uint64(length), out))
+                kernels.partial((n_blocks, 1), (_THREADS,), (bases, np.uint64(length), sums))
             else:
                 partials = cupy.empty(n_blocks * chunks, dtype=cupy.uint64)
                 kernels.partial((n_blocks, chunks), (_THREADS,), (bases, np.uint64(length), partials))
                 kernels.finish((-(-n_blocks // _FINISH_THREADS),), (_FINISH_THREADS,),
-                               (partials, np.uint32(chunks), np.uint32(n_blocks), np.uint64(length), out))
-            host = out.get(stream=cp_stream)  # waits for this stream only
-    return [int(x) for x in host]
+                               (partials, np.uint32(chunks), np.uint32(n_blocks), np.uint64(length), sums))
+        cp_stream.synchronize()  # this stream only; the sums are in host memory then
+    return st.sums[:n_blocks].tolist()
 
 
 def checksums_device(views: list[torch.Tensor], stream: torch.cuda.Stream | None = None) -> list[int]:
     """Checksums (checksum.py's definition) of contiguous CUDA tensors, in the order given.
 
     Views of one device and byte length share a launch, so a batch of equal KV blocks costs one
-    kernel (two when blocks are split across CTAs), one small host-to-device copy of pointers and
-    one device-to-host copy of results.  ``stream``, if given, must belong to the views' device.
+    kernel (two when blocks are split across CTAs); addresses and sums go through pinned host
+    memory the kernels access directly, not through copies.  ``stream``, if given, must belong to the views' device.
     """
     groups: dict[tuple[int, int], list[int]] = {}
     for i, v in enumerate(views):
