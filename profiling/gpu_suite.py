@@ -4,7 +4,8 @@
 
 Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU three
 times (KVIKIO_COMPAT_MODE=ON: KvikIO's POSIX path; OFF: the cuFile path, or the engine's
-start-up fallback with its reason where cuFile refuses the file; AUTO), and writes
+start-up fallback with its reason where cuFile refuses the file; AUTO), plus once with the slot
+arena on a /dev/shm pool (TLLM_GDS_KV_ARENA_BYTES), and writes
 DIR/gpu-suite.json with the commit, pass/fail counts, the data path each run reported and the
 demo figures.
 """
@@ -64,12 +65,19 @@ def main() -> int:
             counts[key] += 1
     summary["gpu_tests"] = {"rc": rc, **counts}
     demos = {}
-    for name, mode in (("kvikio-posix", "ON"), ("cufile-off", "OFF"), ("auto", "AUTO")):
-        pool = f"{args.pool}-{name}"
+    runs = [("kvikio-posix", {"KVIKIO_COMPAT_MODE": "ON"}, f"{args.pool}-kvikio-posix"),
+            ("cufile-off", {"KVIKIO_COMPAT_MODE": "OFF"}, f"{args.pool}-cufile-off"),
+            ("auto", {"KVIKIO_COMPAT_MODE": "AUTO"}, f"{args.pool}-auto")]
+    if os.path.isdir("/dev/shm"):  # the slot arena: 2 owner processes, then a restart that adopts their slabs
+        runs.append(("arena", {"KVIKIO_COMPAT_MODE": "AUTO", "TLLM_GDS_KV_ARENA_BYTES": "512MiB"},
+                     f"/dev/shm/gdskv-suite-arena-{os.getpid()}"))
+    for name, env, pool in runs:
         subprocess.run(["rm", "-rf", pool])
         out = f"{args.out}/demo-{name}.json"
         drc = sh([py, "-m", "gds_kv_connector.cli", "demo", "--device", "cuda", "--root", pool, "--no-progress",
-                  "--json", out], f"{args.out}/demo-{name}.log", env={"KVIKIO_COMPAT_MODE": mode})
+                  "--json", out], f"{args.out}/demo-{name}.log", env=env)
+        if pool.startswith("/dev/shm/"):
+            subprocess.run(["rm", "-rf", pool])
         d = json.load(open(out)) if os.path.exists(out) else {}
         demos[name] = {"rc": drc, "ok": d.get("ok", False),
                        "data_path": [p["data_path"] for p in d.get("phases", [])],
