@@ -74,7 +74,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.kv = kv
         self.recency = RecencyLog.for_process(self.settings.roots)
         self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
-        self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self.stats.snapshot,
+        self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self._snapshot,
                                               self.settings.stats_interval_s)
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved)
@@ -129,6 +129,13 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.stats_publisher.close()
         self.recency.flush()  # not close(): the scheduler of this process shares the log
         return result
+
+    def _snapshot(self) -> dict[str, int]:
+        """Counters for the owner's stats file, with the arena's slot usage when it runs one."""
+        out = self.stats.snapshot()
+        if self.pool is not None and self.pool.arena is not None:
+            out.update({f"arena_{k}": v for k, v in self.pool.arena.usage().items()})
+        return out
 
     def _record_event(self, stream: Any) -> Any:
         """An event after all work queued so far on the forward stream; None for a host pool."""

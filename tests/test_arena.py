@@ -212,9 +212,10 @@ def test_connector_round_trip_with_arena_and_restart(pool_env, monkeypatch, shm_
     ex1 = executor()
     ex1.worker.pool.arena.wait_ready(30)
     serve(ex1, prompts)
-    saved = ex1.worker.stats.snapshot()
+    saved = ex1.worker._snapshot()
     ex1.worker.shutdown()
     assert saved.get("blocks_saved", 0) > 0 and not saved.get("save_arena_fallback")
+    assert saved["arena_used_slots"] == saved["blocks_saved"] and saved["arena_slabs_created"] >= 1
     ex2 = executor()
     ex2.worker.pool.arena.wait_ready(30)
     assert ex2.worker.pool.arena.usage().get("slabs_adopted", 0) >= 1
