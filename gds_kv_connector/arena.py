@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
-from .pool_format import HEADER_SIZE, BlockHeader, FormatError, SlotRef, check_slab_name, parse_header
+from .pool_format import (HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, FormatError, SlotRef, check_slab_name,
+                          parse_header)
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -102,6 +103,7 @@ class SlotArena:
         self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
+        self._checked: dict[tuple[str, int], tuple[bytes, BlockHeader]] = {}  # slot -> header fields, parsed
         self.owned_slots = 0
         self.stats = collections.Counter()
         self._ready = threading.Event()
@@ -316,11 +318,13 @@ class SlotArena:
         off = slot * self.slot_bytes
         self._slabs[slab].mm[off:off + 8] = b"\0" * 8
 
-    def write_header(self, slab: str, slot: int, fields: bytes) -> None:
-        """Write a header's fields (BlockHeader.pack_fields); the zero tail of the header page is
-        never written non-zero in a slot, so it stays as the slab was created."""
+    def write_header(self, slab: str, slot: int, header: BlockHeader) -> None:
+        """Write a header's fields; the zero tail of the header page is never written non-zero in
+        a slot, so it stays as the slab was created."""
         off = slot * self.slot_bytes
-        self._slabs[slab].mm[off:off + len(fields)] = fields
+        fields = header.pack_fields()
+        self._slabs[slab].mm[off:off + HEADER_FIELDS_SIZE] = fields
+        self._checked[(slab, slot)] = (fields, header)
 
     def published(self, refs: list[SlotRef]) -> None:
         with self._lock:
@@ -393,24 +397,41 @@ class SlotArena:
     def forget(self, key: bytes) -> None:
         self._where.pop(key, None)
 
+    def drop_caches(self) -> None:
+        """Forget every remembered location, reference file and parsed header (the benchmark uses
+        it to load as an owner that did not save the blocks would)."""
+        self._where.clear()
+        self._ref_files.clear()
+        self._checked.clear()
+
     def check_record(self, ref: SlotRef) -> tuple[bytes, BlockHeader, int]:
-        """The slot's header bytes, header and payload address, after checking the header names
-        this key and creation time (raises FormatError if the slot was reused or is damaged)."""
+        """The slot's header fields, header and payload address, after checking the header names
+        this key and creation time (raises FormatError if the slot was reused or is damaged).
+
+        A slot whose header bytes equal ones this process wrote or fully parsed before is not
+        parsed again: equal bytes are the same valid header."""
         slab = self._slab(ref.slab)
         if not 0 <= ref.slot < slab.nslots:
             raise FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
         off = ref.slot * self.slot_bytes
-        raw = bytes(slab.mm[off:off + HEADER_SIZE])
-        header = parse_header(raw, fingerprint=self.pool.fingerprint, key=ref.key,
-                              payload_len=self.pool.payload_len)
+        fields = slab.mm[off:off + HEADER_FIELDS_SIZE]
+        seen = self._checked.get((ref.slab, ref.slot))
+        if seen is not None and seen[0] == fields:
+            header = seen[1]
+        else:
+            header = parse_header(bytes(slab.mm[off:off + HEADER_SIZE]), fingerprint=self.pool.fingerprint,
+                                  payload_len=self.pool.payload_len)
+            self._checked[(ref.slab, ref.slot)] = (fields, header)
+        if header.key != ref.key:
+            raise FormatError("slot holds another key's record than its reference names (reused)")
         if header.created_ns != ref.created_ns:
             raise FormatError("slot holds a newer record of this key than its reference (reused)")
-        return raw, header, slab.base + off + HEADER_SIZE
+        return fields, header, slab.base + off + HEADER_SIZE
 
-    def unchanged(self, ref: SlotRef, raw: bytes) -> bool:
+    def unchanged(self, ref: SlotRef, fields: bytes) -> bool:
         """After a copy out of the slot: True if its header is still the one checked before."""
         off = ref.slot * self.slot_bytes
-        return self._slabs[ref.slab].mm[off:off + HEADER_SIZE] == raw
+        return self._slabs[ref.slab].mm[off:off + HEADER_FIELDS_SIZE] == fields
 
     def touch(self, refs: list[SlotRef]) -> None:
         """Loaded from this owner's slots: they become the most recently used."""

@@ -122,7 +122,7 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     for i, csum, (slab, slot) in zip(todo, sums, slots):
         header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
                              pool.tokens_per_block, now, parents[i] or ZERO_KEY)
-        arena.write_header(slab, slot, header.pack_fields())
+        arena.write_header(slab, slot, header)
         by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
     for slab, refs in by_slab.items():
         try:

@@ -150,6 +150,14 @@ def checksums_device(views: list[torch.Tensor], stream: torch.cuda.Stream | None
     kernel (two when blocks are split across CTAs); addresses and sums go through pinned host
     memory the kernels access directly, not through copies.  ``stream``, if given, must belong to the views' device.
     """
+    if not views:
+        return []
+    # The common batch: equal blocks of one KV pool, contiguous, on one device; one pass, one launch.
+    first = views[0]
+    length, device = first.nbytes, first.get_device()
+    if device >= 0 and (stream is None or stream.device.index == device) and all(
+            v.nbytes == length and v.get_device() == device and v.is_contiguous() for v in views):
+        return _launch(device, length, [v.data_ptr() for v in views], stream)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, v in enumerate(views):
         if v.device.type != "cuda":

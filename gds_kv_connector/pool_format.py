@@ -21,7 +21,8 @@ _FIXED = struct.Struct("<8sII32s32sQQIIQII32s")  # fields up to and excluding he
 _CRC = struct.Struct("<I")
 CRC_OFFSET = _FIXED.size  # 152
 ZERO_KEY = b"\0" * 32
-_ZERO_TAIL = bytes(HEADER_SIZE - CRC_OFFSET - _CRC.size)
+HEADER_FIELDS_SIZE = CRC_OFFSET + _CRC.size  # 156: every non-zero byte a valid header can have
+_ZERO_TAIL = bytes(HEADER_SIZE - HEADER_FIELDS_SIZE)
 
 
 class FormatError(ValueError):
@@ -74,7 +75,7 @@ def parse_header(raw: bytes, *, fingerprint: bytes | None = None, key: bytes | N
     (crc,) = _CRC.unpack_from(raw, CRC_OFFSET)
     if crc != zlib.crc32(raw[:CRC_OFFSET]):
         raise FormatError("header checksum mismatch")
-    if raw[CRC_OFFSET + _CRC.size:] != _ZERO_TAIL:  # a memcmp; any() would walk 3940 ints
+    if raw[HEADER_FIELDS_SIZE:] != _ZERO_TAIL:  # a memcmp; any() would walk 3940 ints
         raise FormatError("non-zero bytes in the reserved header tail")
     if flags != 0 or reserved != 0:
         raise FormatError(f"unknown flags {flags:#x} / reserved {reserved:#x}")

@@ -556,8 +556,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
     # are looked up through their reference files, as an owner that did not save them would
     saved.sort()
     if pool.arena is not None:
-        for i in saved:
-            pool.arena.forget(keys[i])
+        pool.arena.drop_caches()
     kv.zero_()
     _sync(rig.device)
     drop = None if is_memory else drop_caches([rig.root], global_drop)

@@ -43,8 +43,7 @@ class CudaHostDma:
     def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
         if not pairs:
             return
-        runs = coalesce([(addr, _device_ptr(view), view.numel() * view.element_size()) for addr, view in pairs],
-                        pitch)
+        runs = coalesce([(addr, _device_ptr(view), view.nbytes) for addr, view in pairs], pitch)
         streams = self._streams()
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):
@@ -105,7 +104,7 @@ def _split(runs: list[tuple[int, int, int, int, int]], parts: int) -> list[tuple
 
 
 def _device_ptr(view: torch.Tensor) -> int:
-    if view.device.type != "cuda":
+    if not view.is_cuda:
         raise ValueError(f"host DMA moves CUDA blocks only, not {view.device}")
     if not view.is_contiguous():
         raise ValueError("block views must be contiguous")
