@@ -521,6 +521,15 @@ class ConnectorRig:
         self.engine.close()
 
 
+def _median_run(rows: list[dict]) -> dict:
+    """The run with the median GB/s, with every run's GB/s beside it: a phase of a fraction of a
+    second is moved by a single stall of the host, so one run alone can mislead."""
+    ordered = sorted(rows, key=lambda r: r["GBps"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["GBps_runs"] = [r["GBps"] for r in rows]
+    return out
+
+
 def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], parents: list[bytes],
                     batch_blocks: int, threads: int, budget: Budget, is_memory: bool, global_drop: bool,
                     tracer: Tracer, label: str) -> tuple[dict, dict]:
@@ -1259,6 +1268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-s", type=float, help="time cap per phase (default 10 s, 6 s with --quick)")
     p.add_argument("--budget-s", type=float, help="time budget of the whole run (default 420 s, 150 s with --quick)")
     p.add_argument("--overlap-s", type=float, default=1.5, help="duration of the compute loop (CUDA only)")
+    p.add_argument("--repeat", type=int, default=3, help="connector save/load runs per size and target, fresh "
+                   "keys each; the median run is reported (default 3; 1 with --quick)")
     p.add_argument("--shm-files", action="store_true", help="host-memory target as one file per block, "
                    "without the slot arena (TLLM_GDS_KV_ARENA_BYTES unset)")
     p.add_argument("--no-baselines", action="store_true")
@@ -1280,7 +1291,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(argv)
         if argv[:1] == ["--"]:  # `gds-kv bench -- --quick ...` forwards the separator too
             argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.device == "auto":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     elif args.device == "cuda":
@@ -1292,6 +1304,10 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     cuda = device.type == "cuda"
     quick = args.quick
+    if quick and "--repeat" not in (argv if argv is not None else sys.argv):
+        args.repeat = 1
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if quick else DEFAULT_SIZES)).split(",") if s]
     total = int((args.total_mib or (64 if quick else (1536 if cuda else 256))) * MiB)
     base_total = int((args.baseline_mib or (32 if quick else 512)) * MiB)
@@ -1352,7 +1368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     has_kvikio = cuda and kvd.kv is not None
     n_methods = (0 if args.no_baselines else 1 + int(has_kvikio))
-    budget.phases_left = (1 + len(targets) * len(streams) * 2 + len(targets) * len(sizes) * 2 * (1 + n_methods)
+    budget.phases_left = (1 + len(targets) * len(streams) * 2 + len(targets) * len(sizes) * 2 * (args.repeat + n_methods)
                           + (0 if args.no_executor else 2) + (1 if cuda and not args.no_overlap else 0))
     steps = (int(cuda) + len(targets) + len(targets) * len(sizes) + (0 if args.no_executor else 2)
              + (1 if cuda and not args.no_overlap else 0))
@@ -1417,19 +1433,24 @@ def main(argv: list[str] | None = None) -> int:
 
                     def one_size() -> None:
                         kv = _rand_bytes((n, size), device, size)
-                        arena = ((n + 2) * fsize + (256 << 20) if info.get("fs") in HOST_FS_TYPES
+                        arena = (args.repeat * (n + 2) * fsize + (256 << 20) if info.get("fs") in HOST_FS_TYPES
                                  and not args.shm_files else 0)
                         rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
                                            args.io_threads, label, kvd, arena_bytes=arena)
                         try:
                             rig.warm_up()
                             info["engine_data_path"] = rig.engine.data_path()
-                            keys = [hashlib.sha256(f"{label}/{time.time_ns()}/{i}".encode()).digest()
-                                    for i in range(n)]
-                            parents = [ZERO_KEY] + keys[:-1]
                             batch = max(1, batch_bytes // size)
-                            save, load = connector_phase(rig, kv, keys, parents, batch, args.transfer_threads,
-                                                         budget, info["memory"], global_drop, tracer, label)
+                            runs = []
+                            for rep in range(args.repeat):  # fresh keys and fresh random bytes each time
+                                if rep:
+                                    kv.random_(0, 256)
+                                keys = [hashlib.sha256(f"{label}/{time.time_ns()}/{rep}/{i}".encode()).digest()
+                                        for i in range(n)]
+                                parents = [ZERO_KEY] + keys[:-1]
+                                runs.append(connector_phase(rig, kv, keys, parents, batch, args.transfer_threads,
+                                                            budget, info["memory"], global_drop, tracer, label))
+                            save, load = (_median_run([r[k] for r in runs]) for k in (0, 1))
                             for row in (save, load):
                                 row.update({"target": t, "block_bytes": size, "engine": rig.engine.data_path(),
                                             "pool_mode": rig.mode, "arena_setup_s": rig.arena_setup_s,
