@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from .mounts import fs_type
 from .pool_format import (HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, FormatError, SlotRef, check_slab_name,
                           parse_header)
 
@@ -458,23 +459,6 @@ def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> Slot
     arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s)
     arena.start()
     return arena
-
-
-def fs_type(path: str) -> str:
-    """Filesystem type of the mount holding ``path`` (longest matching mount point), or "?"."""
-    path = os.path.realpath(path)
-    best, kind = "", "?"
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
 
 
 def _unlink_quietly(path: str) -> None:

@@ -16,11 +16,12 @@ import importlib.metadata
 import importlib.util
 import mmap
 import os
-import re
 import secrets
 import sys
 import threading
 from typing import Any, Callable
+
+from .mounts import mount_of
 
 CALL_TIMEOUT_S = 15.0
 # ext4 and XFS on local NVMe, plus the distributed filesystems with vendor GDS support.
@@ -210,39 +211,12 @@ def _root_facts(root: str) -> dict[str, Any]:
     facts: dict[str, Any] = {"path": root, "exists": os.path.isdir(root)}
     if not facts["exists"]:
         return facts
-    facts.update(_mount_of(root))
+    facts.update(mount_of(root))
     st = os.statvfs(root)
     facts["free_bytes"] = st.f_bavail * st.f_frsize
     facts["total_bytes"] = st.f_blocks * st.f_frsize
     facts["o_direct_write"], facts["o_direct_error"] = _o_direct_write(root)
     return facts
-
-
-def _mount_of(path: str) -> dict[str, Any]:
-    """The mount holding ``path``: the longest mount point that is a prefix of its real path;
-    among equal ones the last listed, which is the one on top."""
-    real = os.path.realpath(path)
-    best = {"fs_type": "unknown", "mount_point": None, "mount_source": None}
-    best_len = -1
-    try:
-        with open("/proc/mounts") as f:
-            mounts = f.read().splitlines()
-    except OSError:
-        return best
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        source, point, fs_type = _unescape(parts[0]), _unescape(parts[1]), parts[2]
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= best_len:
-            best = {"fs_type": fs_type, "mount_point": point, "mount_source": source}
-            best_len = len(point)
-    return best
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def _o_direct_write(root: str) -> tuple[bool, str]:

@@ -55,6 +55,7 @@ except ImportError:
 import torch  # noqa: E402
 
 from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
+from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
@@ -122,23 +123,6 @@ def git_commit() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return out
-
-
-def fs_type(path: str) -> str:
-    """Filesystem type of the mount holding ``path`` (longest matching mount point)."""
-    path = os.path.realpath(path)
-    best, kind = "", "?"
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
 
 
 _libc = None
