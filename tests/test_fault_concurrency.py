@@ -4,7 +4,8 @@ Owners share blocks by content key, so they constantly race to publish the same 
 blocks others just published.  link(2) publication must give exactly one winner per key (the
 others count lost_race, never raise), every load must be byte-exact, and nothing published may be
 lost.  Children are spawned (as TensorRT-LLM's MPI ranks would be separate processes) and run for
-TLLM_GDS_KV_TEST_SOAK_S seconds (default 60) after all are ready.
+GDSKV_TEST_SOAK_S seconds (default 60) after all are ready (not a TLLM_GDS_KV_* name: the connector
+rejects unknown variables of its own prefix, and spawned owners inherit the environment).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 
 pytest_plugins = ["fault_helpers"]
 OWNERS = 8
-SOAK_S = float(os.environ.get("TLLM_GDS_KV_TEST_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("GDSKV_TEST_SOAK_S", "60"))
 
 
 @fh.timeout(SOAK_S + 90)
