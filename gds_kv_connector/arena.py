@@ -66,13 +66,11 @@ class HostMapper(Protocol):
 @dataclass
 class Slab:
     name: str
-    path: str
     fd: int
     mm: mmap.mmap
     array: np.ndarray  # keeps the buffer exported so ``base`` stays valid
     base: int
     nslots: int
-    owned: bool
     registered: bool
 
 
@@ -165,7 +163,7 @@ class SlotArena:
             if self.pool.file_mode & 0o077:
                 os.fchmod(fd, self.pool.file_mode)
             os.ftruncate(fd, nslots * self.slot_bytes)
-            slab = self._map(name, path, fd, nslots, owned=True, writable=True)
+            slab = self._map(name, fd, nslots, writable=True)
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -198,7 +196,7 @@ class SlotArena:
             nslots = size // self.slot_bytes
             if self.owned_slots + nslots > self.capacity_slots:
                 raise ArenaError("over capacity")
-            slab = self._map(name, path, fd, nslots, owned=True, writable=True)
+            slab = self._map(name, fd, nslots, writable=True)
         except (OSError, ArenaError) as exc:
             log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
             os.close(fd)
@@ -222,14 +220,14 @@ class SlotArena:
         log.info("gds-kv arena: adopted slab %s of a finished owner (%d live blocks, %d free slots)",
                  name, len(used), len(free))
 
-    def _map(self, name: str, path: str, fd: int, nslots: int, owned: bool, writable: bool) -> Slab:
+    def _map(self, name: str, fd: int, nslots: int, writable: bool) -> Slab:
         size = nslots * self.slot_bytes
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         # MAP_POPULATE faults every page in now (allocating a fresh slab's pages), not per DMA.
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
         array = np.frombuffer(mm, dtype=np.uint8)
         base = array.__array_interface__["data"][0]
-        slab = Slab(name, path, fd, mm, array, base, nslots, owned, False)
+        slab = Slab(name, fd, mm, array, base, nslots, False)
         del array
         try:
             self.mapper.register_host(base, size, not writable)
@@ -274,7 +272,7 @@ class SlotArena:
                 size = os.fstat(fd).st_size
                 if size == 0 or size % self.slot_bytes:
                     raise FormatError(f"slab {name} is {size} bytes, not a multiple of the slot size")
-                slab = self._map(name, path, fd, size // self.slot_bytes, owned=False, writable=writable)
+                slab = self._map(name, fd, size // self.slot_bytes, writable=writable)
             except BaseException:
                 os.close(fd)
                 raise
