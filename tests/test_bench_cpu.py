@@ -84,3 +84,22 @@ def test_bench_reports_goals_and_metadata(bench_result):
     assert statuses <= {"PASS", "MISS", "n/a"} and len(res["goals"]) >= 8
     assert "Goals (reported, never asserted)" in stdout
     assert "Connector (block_io" in stdout
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm (tmpfs)")
+def test_bench_host_memory_target_runs_the_arena(tmp_path):
+    """On tmpfs the host-memory target measures the slot arena, repeated runs with the median kept."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB",
+         "--repeat", "2", "--no-baselines", "--no-executor", "--json", str(out), "--no-progress"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["connector"]
+    assert [r["direction"] for r in rows] == ["save", "load"]
+    for r in rows:
+        assert r["pool_mode"] == "arena" and r["arena_setup_s"] is not None
+        assert len(r["GBps_runs"]) == 2 and r["GBps"] == min(r["GBps_runs"])  # lower median of two
+        assert r["blocks"] > 0 and r["bytes"] == r["blocks"] * 256 * 1024
