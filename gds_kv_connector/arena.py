@@ -150,12 +150,15 @@ class SlotArena:
             self._free.clear()
             self._used.clear()
             self._where.clear()
+            self._ref_files.clear()
+            self._checked.clear()
 
     # -- slabs ------------------------------------------------------------------------------------
     def _create_slab(self, nslots: int) -> None:
         from .pool import _HOST
 
-        name = check_slab_name(f"{_HOST}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
+        # host (cut to 32) + pid (<= 7 digits) + 12 hex digits + suffix stays within the 64-byte name field
+        name = check_slab_name(f"{_HOST[:32]}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
         path = os.path.join(self.dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
         try:

@@ -243,3 +243,16 @@ def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
     assert (r["ok"], r["reasons"], r["quarantined"]) == (3, {"checksum": 1}, 1)
     assert not os.path.exists(a.path_for(keys[2])) and os.path.exists(a.path_for(keys[1]))
     a.arena.close()
+
+
+def test_slab_names_fit_the_reference_field_with_a_long_hostname(shm_root, engine, monkeypatch):
+    import gds_kv_connector.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_HOST", "h" * 40)  # the longest host part pool.py produces
+    monkeypatch.setattr(os, "getpid", lambda: 4194303)  # and the longest Linux pid (pid_max 2**22)
+    a = _pool(shm_root, engine, 2)
+    assert a.arena.usage()["slabs_created"] == 1 and not a.arena.usage().get("build_errors")
+    keys, d = _keys(2), _data(2, 11)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert torch.equal(_load(a, engine, keys), d)
+    a.arena.close()
