@@ -125,20 +125,19 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
         arena.write_header(slab, slot, header)
         by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
     for slab, refs in by_slab.items():
-        try:
-            won = pool.publish_refs(slab, refs)
-        except OSError as exc:
-            won = [False] * len(refs)
-            out.failed.extend((r.key, _cause(exc)) for r in refs)
-            out.already_present -= len(refs)  # counted as failures below, not as present
-        published = [r for r, w in zip(refs, won) if w]
-        for r, w in zip(refs, won):
-            if not w:
-                arena.release(r.slab, r.slot)
+        published = []
+        for r, outcome in zip(refs, pool.publish_refs(slab, refs)):
+            if outcome is True:
+                published.append(r)
+                continue
+            arena.release(r.slab, r.slot)  # no name refers to it
+            if outcome is False:
+                out.already_present += 1
+            else:
+                out.failed.append((r.key, _cause(outcome)))
         arena.published(published)
         out.published += len(published)
         out.bytes_written += len(published) * pool.payload_len
-        out.already_present += len(refs) - len(published)
 
 
 def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:

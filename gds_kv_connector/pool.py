@@ -262,37 +262,48 @@ class BlockPool:
         except FileNotFoundError:
             return False
 
-    def publish_refs(self, slab: str, refs: list[SlotRef]) -> list[bool]:
-        """Write one reference file for slots of ``slab`` and link it under each key; per key,
-        True if this writer won (link(2) fails on an existing name, as for block files)."""
-        out: list[bool] = []
+    def publish_refs(self, slab: str, refs: list[SlotRef]) -> list[bool | Exception]:
+        """Write one reference file for slots of ``slab`` and link it under each key.  Per key: True
+        if this writer won, False if the name existed (link(2) fails on it, as for block files), or
+        the error that kept it from being published; never raises, so the caller knows exactly
+        which slots are referenced."""
+        out: list[bool | Exception] = []
         for lo in range(0, len(refs), MAX_REF_ENTRIES):
             chunk = refs[lo:lo + MAX_REF_ENTRIES]
-            data = pack_refs(self.fingerprint, self.file_size, slab, chunk)
-            d = self.dir_for(chunk[0].key)
-            self._makedirs(d)
-            tmp = os.path.join(d, f"{TMP_PREFIX}{chunk[0].key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-            fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                               self.file_mode)
+            fd, tmp = -1, ""
             try:
+                data = pack_refs(self.fingerprint, self.file_size, slab, chunk)
+                d = self.dir_for(chunk[0].key)
+                self._makedirs(d)
+                tmp = os.path.join(d, f"{TMP_PREFIX}{chunk[0].key.hex()}-{_HOST}-{os.getpid()}-"
+                                      f"{secrets.token_hex(4)}")
+                fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                   self.file_mode)
                 if self.file_mode & 0o077:
                     self.ops.fchmod(fd, self.file_mode)
                 write_all(self.ops, fd, data, 0)
                 self.ops.close(fd)
                 fd = -1
+            except (OSError, PoolError) as exc:
+                self.discard_tmp(fd, tmp)
+                out.extend(exc for _ in chunk)
+                continue
+            try:
                 deadline = time.monotonic() + self.index_ttl_s
                 for ref in chunk:
-                    final = self.path_for(ref.key)
-                    self._makedirs(self._key_dirs[ref.key[0]])
                     try:
-                        self.ops.link(tmp, final)
+                        self._makedirs(self._key_dirs[ref.key[0]])
+                        self.ops.link(tmp, self.path_for(ref.key))
                     except FileExistsError:
                         out.append(False)
+                        continue
+                    except (OSError, PoolError) as exc:
+                        out.append(exc)
                         continue
                     self._index[ref.key] = deadline
                     out.append(True)
             finally:
-                self.discard_tmp(fd, tmp)
+                self.discard_tmp(-1, tmp)
         return out
 
     def read_header(self, pin: Pin) -> BlockHeader:

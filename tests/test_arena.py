@@ -256,3 +256,23 @@ def test_slab_names_fit_the_reference_field_with_a_long_hostname(shm_root, engin
     assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     assert torch.equal(_load(a, engine, keys), d)
     a.arena.close()
+
+
+def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine):
+    from gds_kv_connector.faults import FaultyFileOps
+
+    ops = FaultyFileOps(seed=3)
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True, ops=ops)
+    pool.arena = SlotArena(pool, engine, 4 * pool.file_size, 4 * pool.file_size, 0.0)
+    pool.arena.start(background=False)
+    keys, d = _keys(3), _data(3, 12)
+    ops.add("link", "eio", count=1, skip=1)  # the second key's link fails
+    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    assert out.published == 2 and [cause for _, cause in out.failed] == ["EIO"]
+    failed = out.failed[0][0]
+    assert failed == keys[1] and not os.path.exists(pool.path_for(failed))
+    u = pool.arena.usage()
+    assert u["used_slots"] == 2 and u["ready_slots"] == 2  # the failed block's slot is free again
+    ok = [k for k in keys if k != failed]
+    assert torch.equal(_load(pool, engine, ok), d[[0, 2]])
+    pool.arena.close()
