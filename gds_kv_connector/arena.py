@@ -193,14 +193,11 @@ class SlotArena:
             os.close(fd)  # a live owner holds it
             return
         try:
-            size = os.fstat(fd).st_size
-            if size == 0 or size % self.slot_bytes:
-                raise ArenaError(f"slab {name} is {size} bytes, not a multiple of the slot size")
-            nslots = size // self.slot_bytes
+            nslots = self._slot_count(fd, name)
             if self.owned_slots + nslots > self.capacity_slots:
                 raise ArenaError("over capacity")
             slab = self._map(name, fd, nslots, writable=True)
-        except (OSError, ArenaError) as exc:
+        except (OSError, ArenaError, FormatError) as exc:
             log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
             os.close(fd)
             return
@@ -216,7 +213,7 @@ class SlotArena:
             self._slabs[name] = slab
             for slot, ref in used:
                 self._used[(name, slot)] = (ref.key, ref.created_ns)
-                self._where[ref.key] = ref
+                self.remember(ref)
             self._free.extend((now, name, s) for s in free)
             self.owned_slots += nslots
         self.stats["slabs_adopted"] += 1
@@ -272,16 +269,20 @@ class SlotArena:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
                 writable = False
             try:
-                size = os.fstat(fd).st_size
-                if size == 0 or size % self.slot_bytes:
-                    raise FormatError(f"slab {name} is {size} bytes, not a multiple of the slot size")
-                slab = self._map(name, fd, size // self.slot_bytes, writable=writable)
+                slab = self._map(name, fd, self._slot_count(fd, name), writable=writable)
             except BaseException:
                 os.close(fd)
                 raise
             self._slabs[name] = slab
             self.stats["slabs_mapped"] += 1
             return slab
+
+    def _slot_count(self, fd: int, name: str) -> int:
+        """Slots in an existing slab; a size that is not a whole number of slots is a bad slab."""
+        size = os.fstat(fd).st_size
+        if size == 0 or size % self.slot_bytes:
+            raise FormatError(f"slab {name} is {size} bytes, not a multiple of the slot size")
+        return size // self.slot_bytes
 
     def _record_at(self, slab: Slab, slot: int) -> SlotRef | None:
         off = slot * self.slot_bytes

@@ -148,7 +148,8 @@ def checksums_device(views: list[torch.Tensor], stream: torch.cuda.Stream | None
 
     Views of one device and byte length share a launch, so a batch of equal KV blocks costs one
     kernel (two when blocks are split across CTAs); addresses and sums go through pinned host
-    memory the kernels access directly, not through copies.  ``stream``, if given, must belong to the views' device.
+    memory the kernels access directly, not through copies.  ``stream``, if given, must belong
+    to the views' device.
     """
     if not views:
         return []

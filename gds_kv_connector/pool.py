@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
 from .pool_format import (HEADER_SIZE, MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
-                          SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_ref,
-                          parse_refs)
+                          SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_refs)
 
 if TYPE_CHECKING:
     from .arena import SlotArena
@@ -120,7 +119,8 @@ class BlockPool:
         except OSError:
             self._index.pop(key, None)
             return False
-        if not stat.S_ISREG(st.st_mode) or (st.st_size != self.file_size and not (self.refs and is_ref_size(st.st_size))):
+        size_ok = st.st_size == self.file_size or (self.refs and is_ref_size(st.st_size))
+        if not stat.S_ISREG(st.st_mode) or not size_ok:
             self._index.pop(key, None)
             return False
         self._index[key] = now + self.index_ttl_s
@@ -225,15 +225,14 @@ class BlockPool:
     def _parse_ref_fd(self, fd: int, key: bytes, size: int) -> SlotRef:
         raw = bytearray(size)
         read_exact(self.ops, fd, raw, 0)
-        if self.arena is not None:
+        entries = parse_refs(bytes(raw), fingerprint=self.fingerprint, slot_bytes=self.file_size)
+        if self.arena is not None:  # None only while the arena adopts slabs, before it is attached
             st = self.ops.fstat(fd)
-            entries = parse_refs(bytes(raw), fingerprint=self.fingerprint, slot_bytes=self.file_size)
             self.arena.note_ref_file((st.st_ino, st.st_size, st.st_ctime_ns), entries)
-            ref = entries.get(key)
-            if ref is None:
-                raise FormatError("reference file has no entry for its key")
-            return ref
-        return parse_ref(bytes(raw), key=key, fingerprint=self.fingerprint, slot_bytes=self.file_size)
+        ref = entries.get(key)
+        if ref is None:
+            raise FormatError("reference file has no entry for its key")
+        return ref
 
     def read_ref(self, key: bytes) -> SlotRef | None:
         """The slot the key's reference file names now, or None (absent, a block file, unreadable)."""

@@ -505,6 +505,12 @@ class ConnectorRig:
         self.engine.close()
 
 
+def _save_timing(nbytes: int, secs: float, sync_s: float) -> dict:
+    """A save row's bytes and times: GBps counts until syncfs returned, returned_GBps without it."""
+    return {"bytes": nbytes, "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
+            "returned_GBps": round(gbps(nbytes, secs), 3), "GBps": round(gbps(nbytes, secs + sync_s), 3)}
+
+
 def _median_run(rows: list[dict]) -> dict:
     """The run with the median GB/s, with every run's GB/s beside it: a phase of a fraction of a
     second is moved by a single stall of the host, so one run alone can mislead."""
@@ -541,9 +547,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
         syncfs(rig.root)
         sync_s = time.perf_counter() - t0
     budget.phases_left -= 1
-    save = {"direction": "save", "blocks": len(saved), "bytes": nbytes, "seconds": round(secs, 4),
-            "syncfs_seconds": round(sync_s, 4), "returned_GBps": round(gbps(nbytes, secs), 3),
-            "GBps": round(gbps(nbytes, secs + sync_s), 3), "capped_by_time": capped}
+    save = {"direction": "save", "blocks": len(saved), **_save_timing(nbytes, secs, sync_s), "capped_by_time": capped}
 
     # load what was saved, into zeroed blocks, cold from the device for a disk target; arena slots
     # are looked up through their reference files, as an owner that did not save them would
@@ -601,10 +605,8 @@ def baseline_trtllm(kv: torch.Tensor, n: int, bdir: str, budget: Budget, is_memo
         syncfs(bdir)
         sync_s = time.perf_counter() - t1
     budget.phases_left -= 1
-    save = {"method": "trtllm_example", "direction": "save", "blocks": done, "bytes": done * payload,
-            "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
-            "returned_GBps": round(gbps(done * payload, secs), 3),
-            "GBps": round(gbps(done * payload, secs + sync_s), 3), "capped_by_time": done < n}
+    save = {"method": "trtllm_example", "direction": "save", "blocks": done,
+            **_save_timing(done * payload, secs, sync_s), "capped_by_time": done < n}
     if not is_memory:
         drop_caches([bdir], global_drop)
     loaded = 0
@@ -679,10 +681,7 @@ def baseline_naive_kvikio(kv: torch.Tensor, n: int, bdir: str, budget: Budget, i
         syncfs(bdir)
         sync_s = time.perf_counter() - t1
     budget.phases_left -= 1
-    save = {"method": "naive_kvikio", "direction": "save", "blocks": done, "bytes": done * payload,
-            "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
-            "returned_GBps": round(gbps(done * payload, secs), 3),
-            "GBps": round(gbps(done * payload, secs + sync_s), 3) if done else 0.0,
+    save = {"method": "naive_kvikio", "direction": "save", "blocks": done, **_save_timing(done * payload, secs, sync_s),
             "capped_by_time": done < n, "error": error, "kvikio_defaults": kvd.describe()}
     if not is_memory:
         drop_caches([bdir], global_drop)
@@ -1352,7 +1351,8 @@ def main(argv: list[str] | None = None) -> int:
 
     has_kvikio = cuda and kvd.kv is not None
     n_methods = (0 if args.no_baselines else 1 + int(has_kvikio))
-    budget.phases_left = (1 + len(targets) * len(streams) * 2 + len(targets) * len(sizes) * 2 * (args.repeat + n_methods)
+    budget.phases_left = (1 + len(targets) * len(streams) * 2
+                          + len(targets) * len(sizes) * 2 * (args.repeat + n_methods)
                           + (0 if args.no_executor else 2) + (1 if cuda and not args.no_overlap else 0))
     steps = (int(cuda) + len(targets) + len(targets) * len(sizes) + (0 if args.no_executor else 2)
              + (1 if cuda and not args.no_overlap else 0))

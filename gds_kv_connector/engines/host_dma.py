@@ -27,7 +27,6 @@ class CudaHostDma:
 
         self._cupy = cupy
         self._rt = cupy.cuda.runtime
-        self.device = device
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._local = threading.local()
 

@@ -42,11 +42,11 @@ class PosixEngine(IoEngine):
 
     def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
-            ctypes.memmove(addr, _host_bytes(view).ctypes.data, view.numel() * view.element_size())
+            ctypes.memmove(addr, _host_bytes(view).ctypes.data, view.nbytes)
 
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
-            ctypes.memmove(_host_bytes(view).ctypes.data, addr, view.numel() * view.element_size())
+            ctypes.memmove(_host_bytes(view).ctypes.data, addr, view.nbytes)
 
     def data_path(self) -> str:
         return "posix (host-memory pool, pread/pwrite)"
