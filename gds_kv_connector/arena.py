@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from . import native
 from .mounts import fs_type
-from .pool_format import (HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, FormatError, SlotRef, check_slab_name,
-                          parse_header)
+from .pool_format import HEADER_SIZE, FormatError, SlotRef, check_slab_name, parse_header
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -102,7 +102,6 @@ class SlotArena:
         self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
-        self._checked: dict[tuple[str, int], tuple[bytes, BlockHeader]] = {}  # slot -> header fields, parsed
         self.owned_slots = 0
         self.stats = collections.Counter()
         self._ready = threading.Event()
@@ -151,7 +150,6 @@ class SlotArena:
             self._used.clear()
             self._where.clear()
             self._ref_files.clear()
-            self._checked.clear()
 
     # -- slabs ------------------------------------------------------------------------------------
     def _create_slab(self, nslots: int) -> None:
@@ -316,18 +314,10 @@ class SlotArena:
     def payload_addr(self, slab: str, slot: int) -> int:
         return self._slabs[slab].base + slot * self.slot_bytes + HEADER_SIZE
 
-    def clear_header(self, slab: str, slot: int) -> None:
-        """Make the slot's record unreadable before its payload is overwritten."""
-        off = slot * self.slot_bytes
-        self._slabs[slab].mm[off:off + 8] = b"\0" * 8
-
-    def write_header(self, slab: str, slot: int, header: BlockHeader) -> None:
-        """Write a header's fields; the zero tail of the header page is never written non-zero in
-        a slot, so it stays as the slab was created."""
-        off = slot * self.slot_bytes
-        fields = header.pack_fields()
-        self._slabs[slab].mm[off:off + HEADER_FIELDS_SIZE] = fields
-        self._checked[(slab, slot)] = (fields, header)
+    def slot_addrs(self, slots: list[tuple[str, int]]) -> list[int]:
+        """Start addresses of this owner's slots (their headers), for native.write_headers."""
+        slabs, sb = self._slabs, self.slot_bytes
+        return [slabs[name].base + slot * sb for name, slot in slots]
 
     def published(self, refs: list[SlotRef]) -> None:
         with self._lock:
@@ -401,40 +391,38 @@ class SlotArena:
         self._where.pop(key, None)
 
     def drop_caches(self) -> None:
-        """Forget every remembered location, reference file and parsed header (the benchmark uses
-        it to load as an owner that did not save the blocks would)."""
+        """Forget every remembered location and reference file (the benchmark uses it to load as an
+        owner that did not save the blocks would)."""
         self._where.clear()
         self._ref_files.clear()
-        self._checked.clear()
 
-    def check_record(self, ref: SlotRef) -> tuple[bytes, BlockHeader, int]:
-        """The slot's header fields, header and payload address, after checking the header names
-        this key and creation time (raises FormatError if the slot was reused or is damaged).
+    def check_records(self, refs: list[SlotRef]) -> tuple[list[int], bytes, list[int], int, Exception | None]:
+        """Check slot headers before a copy out of them, stopping at the first that fails.
 
-        A slot whose header bytes equal ones this process wrote or fully parsed before is not
-        parsed again: equal bytes are the same valid header."""
-        slab = self._slab(ref.slab)
-        if not 0 <= ref.slot < slab.nslots:
-            raise FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
-        off = ref.slot * self.slot_bytes
-        fields = slab.mm[off:off + HEADER_FIELDS_SIZE]
-        seen = self._checked.get((ref.slab, ref.slot))
-        if seen is not None and seen[0] == fields:
-            header = seen[1]
-        else:
-            header = parse_header(bytes(slab.mm[off:off + HEADER_SIZE]), fingerprint=self.pool.fingerprint,
-                                  payload_len=self.pool.payload_len)
-            self._checked[(ref.slab, ref.slot)] = (fields, header)
-        if header.key != ref.key:
-            raise FormatError("slot holds another key's record than its reference names (reused)")
-        if header.created_ns != ref.created_ns:
-            raise FormatError("slot holds a newer record of this key than its reference (reused)")
-        return fields, header, slab.base + off + HEADER_SIZE
-
-    def unchanged(self, ref: SlotRef, fields: bytes) -> bool:
-        """After a copy out of the slot: True if its header is still the one checked before."""
-        off = ref.slot * self.slot_bytes
-        return self._slabs[ref.slab].mm[off:off + HEADER_FIELDS_SIZE] == fields
+        Returns (slot addresses, header field bytes and payload checksums of the slots that passed,
+        index of the failing one or -1, its error: FormatError when the slot was reused or is
+        damaged, OSError when its slab cannot be mapped).  Each header must be a valid block
+        header naming the reference's key and creation time (native.check_headers)."""
+        addrs: list[int] = []
+        err: Exception | None = None
+        sb = self.slot_bytes
+        for ref in refs:
+            try:
+                slab = self._slab(ref.slab)
+            except (OSError, FormatError, ValueError) as exc:
+                err = exc
+                break
+            if not 0 <= ref.slot < slab.nslots:
+                err = FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
+                break
+            addrs.append(slab.base + ref.slot * sb)
+        fields, sums, bad, why = native.check_headers(addrs, self.pool.fingerprint, [r.key for r in refs[:len(addrs)]],
+                                                      [r.created_ns for r in refs[:len(addrs)]], self.pool.payload_len)
+        if bad >= 0:
+            return addrs[:bad], fields, sums, bad, FormatError(why)
+        if err is not None:
+            return addrs, fields, sums, len(addrs), err
+        return addrs, fields, sums, -1, None
 
     def touch(self, refs: list[SlotRef]) -> None:
         """Loaded from this owner's slots: they become the most recently used."""

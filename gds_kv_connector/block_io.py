@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checksum import CHECKSUM_ALGO
+from . import native
 from .engines.base import IoEngine, TransferItem
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
@@ -103,14 +104,13 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
 def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
                    views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
                    now: int, out: SaveOutcome) -> None:
-    """Header cleared, payload copied, header written, then one reference file per slab."""
+    """Headers cleared, payloads copied, headers written, then one reference file per slab."""
     arena = pool.arena
     assert arena is not None
+    addrs = arena.slot_addrs(slots)
     try:
-        for slab, slot in slots:
-            arena.clear_header(slab, slot)
-        engine.copy_to_host([(arena.payload_addr(slab, slot), views[i]) for i, (slab, slot) in zip(todo, slots)],
-                            arena.slot_bytes)
+        native.clear_headers(addrs)
+        engine.copy_to_host([(a + HEADER_SIZE, views[i]) for i, a in zip(todo, addrs)], arena.slot_bytes)
     except BaseException as exc:
         for slab, slot in slots:
             arena.release(slab, slot)
@@ -118,11 +118,10 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
             raise
         out.failed.extend((keys[i], _cause(exc)) for i in todo)
         return
+    native.write_headers(addrs, pool.fingerprint, [keys[i] for i in todo], [parents[i] or ZERO_KEY for i in todo],
+                         sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
     by_slab: dict[str, list[SlotRef]] = {}
-    for i, csum, (slab, slot) in zip(todo, sums, slots):
-        header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
-                             pool.tokens_per_block, now, parents[i] or ZERO_KEY)
-        arena.write_header(slab, slot, header)
+    for i, (slab, slot) in zip(todo, slots):
         by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
     for slab, refs in by_slab.items():
         published = []
@@ -164,20 +163,19 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
 def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[torch.Tensor], *,
                 verify: bool, retries: int, deadline: float) -> int:
     """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read."""
-    headers: list[BlockHeader] = []
-    slot_raw: dict[int, bytes] = {}  # pin index -> header bytes of an arena slot, checked again after the copy
-    slot_pairs: list[tuple[int, torch.Tensor]] = []
+    expected: list[int] = [0] * len(pins)  # payload checksum each header promises
     attempt = 0
+    slot_pins = [n for n, pin in enumerate(pins) if pin.slot is not None]
+    if slot_pins:
+        addrs, fields, sums = _check_slots(pool, [pins[n] for n in slot_pins])
+        for n, csum in zip(slot_pins, sums):
+            expected[n] = csum
     for n, pin in enumerate(pins):
         if pin.slot is not None:
-            raw, header, addr = _check_slot(pool, pin)
-            headers.append(header)
-            slot_raw[n] = raw
-            slot_pairs.append((addr, views[n]))
             continue
         while True:
             try:
-                headers.append(pool.read_header(pin))
+                expected[n] = pool.read_header(pin).checksum
                 break
             except FormatError as exc:
                 pool.quarantine(pin.key, str(exc), pin.ino)
@@ -190,13 +188,14 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                     raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
                 attempt += 1
                 log.info("retrying a block header read after %s (attempt %d of %d)", exc, attempt, retries)
-    if slot_pairs:
-        engine.copy_from_host(slot_pairs, pool.file_size)
-        for n, raw in slot_raw.items():
-            if not pool.arena.unchanged(pins[n].slot, raw):
-                pool.arena.forget(pins[n].key)
-                raise LoadFailure(pins[n].key, pins[n].path, "arena slot was reused while it was being loaded")
-        pool.arena.touch([pins[n].slot for n in slot_raw])
+    if slot_pins:
+        engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(slot_pins, addrs)], pool.file_size)
+        changed = native.first_changed(addrs, fields)
+        if changed >= 0:
+            pin = pins[slot_pins[changed]]
+            pool.arena.forget(pin.key)
+            raise LoadFailure(pin.key, pin.path, "arena slot was reused while it was being loaded")
+        pool.arena.touch([pins[n].slot for n in slot_pins])
     pending = [i for i in range(len(pins)) if pins[i].slot is None]
     while pending:
         errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i]) for i in pending])
@@ -214,39 +213,52 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
         pending = [i for i, _ in failed]
     if verify:
         sums = engine.checksums(views)
-        for pin, header, got in zip(pins, headers, sums):
-            if got != header.checksum:
+        for pin, want, got in zip(pins, expected, sums):
+            if got != want:
                 if pin.slot is not None:
                     pool.arena.forget(pin.key)
                     raise LoadFailure(pin.key, pin.path, f"arena slot payload checksum mismatch (header "
-                                      f"{header.checksum:#018x}, data {got:#018x}): damaged or reused")
+                                      f"{want:#018x}, data {got:#018x}): damaged or reused")
                 pool.quarantine(pin.key, "checksum mismatch", pin.ino)
                 raise LoadFailure(pin.key, pin.path,
-                                  f"payload checksum mismatch (header {header.checksum:#018x}, data {got:#018x})")
+                                  f"payload checksum mismatch (header {want:#018x}, data {got:#018x})")
     return len(pins) * pool.payload_len
 
 
-def _check_slot(pool: BlockPool, pin: Pin) -> tuple[bytes, BlockHeader, int]:
-    """Header bytes and payload address of a pinned arena slot; a stale or damaged reference is
-    dropped (quarantined) so the key stops matching, then reported as a LoadFailure."""
-    assert pool.arena is not None and pin.slot is not None
-    try:
-        return pool.arena.check_record(pin.slot)
-    except (FormatError, OSError, ValueError) as exc:
-        pool.arena.forget(pin.key)
-        if pin.ino == 0:  # a remembered location, not read from the pool: look the key up afresh
-            try:
-                fresh = pool.pin(pin.key)
-            except (OSError, FormatError) as again:
-                raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
-            if fresh.slot is None:
-                pool.unpin(fresh)
-                raise LoadFailure(pin.key, pin.path, "arena slot gone; the key now names a block file") from None
-            pin.slot, pin.ino = fresh.slot, fresh.ino
-            return _check_slot(pool, pin)
-        if isinstance(exc, FormatError):
-            pool.quarantine(pin.key, f"arena slot: {exc}", pin.ino)
-        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {exc}") from None
+def _check_slots(pool: BlockPool, pins: list[Pin]) -> tuple[list[int], bytes, list[int]]:
+    """Slot addresses, header field bytes and payload checksums of pinned arena slots, after
+    checking each header (arena.check_records).  A stale or damaged reference is dropped
+    (quarantined) so the key stops matching, then reported as a LoadFailure; a location this
+    process remembered (not read from the pool) is looked up afresh once instead."""
+    arena = pool.arena
+    assert arena is not None
+    addrs: list[int] = []
+    fields: list[bytes] = []
+    sums: list[int] = []
+    lo = 0
+    while lo < len(pins):
+        a, f, s, bad, err = arena.check_records([p.slot for p in pins[lo:]])
+        addrs += a
+        fields.append(f)
+        sums += s
+        if bad < 0:
+            break
+        pin = pins[lo + bad]
+        arena.forget(pin.key)
+        if pin.ino != 0:
+            if isinstance(err, FormatError):
+                pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
+            raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
+        try:
+            fresh = pool.pin(pin.key)
+        except (OSError, FormatError) as again:
+            raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
+        if fresh.slot is None:
+            pool.unpin(fresh)
+            raise LoadFailure(pin.key, pin.path, "arena slot gone; the key now names a block file")
+        pin.slot, pin.ino = fresh.slot, fresh.ino
+        lo += bad  # check this pin again at its fresh location, then the rest
+    return addrs, b"".join(fields), sums
 
 
 def _cause(exc: BaseException) -> str:

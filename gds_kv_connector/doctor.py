@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from . import native
 from .mounts import mount_of
 
 CALL_TIMEOUT_S = 15.0
@@ -40,6 +41,7 @@ def doctor_report(root: str | None, probe: bool = True) -> dict[str, Any]:
     """
     report: dict[str, Any] = {
         "python": sys.version.split()[0],
+        "native": native.BUILT,
         "torch": _torch_facts(),
         "cupy": _package_facts("cupy", ("cupy-cuda13x", "cupy-cuda12x", "cupy")),
         "kvikio": _kvikio_facts(),
@@ -58,7 +60,8 @@ def doctor_report(root: str | None, probe: bool = True) -> dict[str, Any]:
 def format_doctor(report: dict[str, Any]) -> str:
     """The report as aligned text lines for a terminal, verdict last."""
     t, k = report["torch"], report["kvikio"]
-    lines = [f"python {report['python']}, torch {t.get('version')}"]
+    lines = [f"python {report['python']}, torch {t.get('version')}, per-block loops: "
+             f"{'C extension' if report['native'] else 'Python (C extension not built)'}"]
     if t.get("cuda_available"):
         lines.append(f"GPU: {t.get('device_name')} ({t.get('device_count')} visible, CUDA {t.get('cuda_version')})")
     else:
@@ -265,6 +268,9 @@ def _probe_facts(report: dict[str, Any]) -> dict[str, Any]:
 def _warnings(report: dict[str, Any]) -> list[str]:
     out: list[str] = []
     k = report["kvikio"]
+    if not report["native"]:
+        out.append("the C extension (csrc/native.c) is not built: keys and arena headers are handled in Python, "
+                   "slower per block; reinstall with a C compiler and OpenSSL headers present")
     if report["torch"]["cuda_available"] and k.get("importable") and not report["cupy"]["installed"]:
         out.append("CuPy is not installed: GPU payload checksums (csrc/checksum.cu) cannot be compiled")
     for r in report["roots"]:

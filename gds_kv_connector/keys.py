@@ -19,6 +19,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from . import native
 from .pool_format import FORMAT_VERSION
 
 KEY_BYTES = 32
@@ -119,9 +120,21 @@ def extend_chain(prev: bytes, token_bytes: Buffer, tokens_per_block: int, first_
     return keys
 
 
+def chain_from_tokens(prev: bytes, tokens: Sequence[int], start: int, tokens_per_block: int,
+                      num_blocks: int) -> list[bytes]:
+    """Keys of the ``num_blocks`` blocks whose tokens begin at ``tokens[start]``, ``prev`` being
+    the key before them: :func:`extend_chain` over :func:`token_array`, in one C loop where the
+    extension is built and ``tokens`` is a list (what the runtime hands over)."""
+    if isinstance(tokens, (list, tuple)):
+        keys = native.chain_keys(prev, tokens, start, tokens_per_block, num_blocks)
+        if keys is not None:
+            return keys
+    stop = start + num_blocks * tokens_per_block
+    return extend_chain(prev, token_array(tokens, start, stop), tokens_per_block, 0, num_blocks)
+
+
 def block_keys(fingerprint: bytes, cache_salt: str | None, tokens: Sequence[int],
                tokens_per_block: int) -> list[bytes]:
     """Keys of every full block of ``tokens``."""
-    n = len(tokens) // tokens_per_block
-    return extend_chain(chain_seed(fingerprint, cache_salt), token_array(tokens, 0, n * tokens_per_block),
-                        tokens_per_block, 0, n)
+    return chain_from_tokens(chain_seed(fingerprint, cache_salt), tokens, 0, tokens_per_block,
+                             len(tokens) // tokens_per_block)

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
-from .keys import base_fingerprint, chain_seed, extend_chain, token_array
+from .keys import base_fingerprint, chain_from_tokens, chain_seed
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
@@ -67,7 +67,7 @@ class _Request:
         have = len(keys)
         if n_blocks > have:
             prev = keys[-1] if have else self.seed
-            keys += extend_chain(prev, token_array(self.tokens, have * tpb, n_blocks * tpb), tpb, 0, n_blocks - have)
+            keys += chain_from_tokens(prev, self.tokens, have * tpb, tpb, n_blocks - have)
         return keys if len(keys) == n_blocks else keys[:n_blocks]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gds_kv_connector import arena as arena_mod
+from gds_kv_connector import native
 from gds_kv_connector.arena import ArenaError, SlotArena, start_arena
 from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save_blocks
 from gds_kv_connector.engines.host_dma import coalesce
@@ -31,6 +32,16 @@ def shm_root(tmp_path):
     yield d
     import shutil
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def header_loops(request, monkeypatch):
+    """Every arena test runs with the C header loops (where built) and with their Python fallback."""
+    if request.param == "c" and not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(native, "_lib", None)
+    return request.param
 
 
 @pytest.fixture

@@ -1,0 +1,96 @@
+"""The per-block loops of the hot paths, in C where the extension (csrc/native.c) was built.
+
+Keying a 128k-token prompt is 4096 SHA-256 calls and a 128k-int conversion on the executor
+thread; saving or loading a batch of arena slots packs or checks one header per block on a
+transfer thread.  In Python each of those costs about a microsecond per block while holding the
+GIL, as much as a 256 KiB DMA takes.  The C versions run a whole batch per call with the GIL
+released.  Where the extension is missing (no compiler or OpenSSL headers at install time) the
+same loops run in Python, byte for byte alike; ``BUILT`` says which is in use and ``gds-kv
+doctor`` reports it.  Addresses passed here are slot starts inside the arena's own mappings.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from typing import Sequence
+
+from .pool_format import HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, FormatError, parse_header
+
+try:
+    from . import _native as _lib  # type: ignore[attr-defined]
+except ImportError:
+    _lib = None
+
+BUILT = _lib is not None
+
+
+def chain_keys(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tokens_per_block: int,
+               num_blocks: int) -> list[bytes] | None:
+    """Keys of ``num_blocks`` blocks whose tokens begin at ``tokens[start]`` (keys.extend_chain's
+    definition), or None where the extension is missing, so the caller takes its numpy path."""
+    if _lib is None:
+        return None
+    return _lib.chain_keys(prev, tokens, start, tokens_per_block, num_blocks)
+
+
+def clear_headers(addrs: Sequence[int]) -> None:
+    """Zero each slot's magic, so no reader accepts it while its payload is rewritten."""
+    if _lib is not None:
+        _lib.clear_headers(array("Q", addrs))
+        return
+    for a in addrs:
+        ctypes.memset(a, 0, 8)
+
+
+def write_headers(addrs: Sequence[int], fingerprint: bytes, keys: list[bytes], parents: list[bytes],
+                  sums: list[int], payload_len: int, checksum_algo: int, tokens_per_block: int,
+                  created_ns: int) -> None:
+    """Write each slot's header fields (BlockHeader.pack_fields); the zero tail is left as it is."""
+    if _lib is not None:
+        _lib.write_headers(array("Q", addrs), fingerprint, b"".join(keys), b"".join(parents), array("Q", sums),
+                           payload_len, checksum_algo, tokens_per_block, created_ns)
+        return
+    for a, k, p, s in zip(addrs, keys, parents, sums):
+        fields = BlockHeader(fingerprint, k, payload_len, s, checksum_algo, tokens_per_block, created_ns, p).pack_fields()
+        ctypes.memmove(a, fields, HEADER_FIELDS_SIZE)
+
+
+def check_headers(addrs: Sequence[int], fingerprint: bytes, keys: list[bytes], created_ns: list[int],
+                  payload_len: int) -> tuple[bytes, list[int], int, str | None]:
+    """Check slot headers in order, as parse_header does, plus that slot ``i`` holds ``keys[i]``
+    written at ``created_ns[i]``; stop at the first that fails.
+
+    Returns (header field bytes of the slots that passed, their payload checksums, index of the
+    failing slot or -1, why it failed or None).
+    """
+    if _lib is not None:
+        fields, sums, bad, why = _lib.check_headers(array("Q", addrs), fingerprint, b"".join(keys),
+                                                    array("Q", created_ns), payload_len)
+        return fields, list(memoryview(sums).cast("Q")), bad, why
+    out: list[bytes] = []
+    got: list[int] = []
+    for i, (a, k, c) in enumerate(zip(addrs, keys, created_ns)):
+        try:
+            h = parse_header(ctypes.string_at(a, HEADER_SIZE), fingerprint=fingerprint, payload_len=payload_len)
+        except FormatError as exc:
+            return b"".join(out), got, i, str(exc)
+        if h.key != k:
+            return b"".join(out), got, i, "slot holds another key's record than its reference names (reused)"
+        if h.created_ns != c:
+            return b"".join(out), got, i, "slot holds a newer record of this key than its reference (reused)"
+        out.append(ctypes.string_at(a, HEADER_FIELDS_SIZE))
+        got.append(h.checksum)
+    return b"".join(out), got, -1, None
+
+
+def first_changed(addrs: Sequence[int], fields: bytes) -> int:
+    """Index of the first slot whose header fields are no longer ``fields[i]`` (reused while it was
+    being copied), or -1."""
+    if _lib is not None:
+        return _lib.first_changed(array("Q", addrs), fields)
+    for i, a in enumerate(addrs):
+        if ctypes.string_at(a, HEADER_FIELDS_SIZE) != fields[i * HEADER_FIELDS_SIZE:(i + 1) * HEADER_FIELDS_SIZE]:
+            return i
+    return -1
+

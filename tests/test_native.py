@@ -1,0 +1,127 @@
+"""The C loops (csrc/native.c) against the Python definitions they replace, byte for byte.
+
+Every test runs twice: with the extension (where it was built) and with its Python fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import random
+import time
+
+import pytest
+
+from gds_kv_connector import native
+from gds_kv_connector.keys import chain_from_tokens, extend_chain, token_array
+from gds_kv_connector.pool_format import HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, parse_header
+
+FP = hashlib.sha256(b"native-test").digest()
+
+
+@pytest.fixture(params=["c", "python"])
+def impl(request, monkeypatch):
+    if request.param == "c" and not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(native, "_lib", None)
+    return request.param
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """CI and the README install build it; a missing build would silently cost the speed."""
+    assert native.BUILT
+
+
+@pytest.mark.parametrize("tpb", [1, 16, 32])
+def test_chain_keys_equal_the_definition(impl, tpb):
+    rng = random.Random(tpb)
+    tokens = [rng.randrange(-2**63, 2**63) for _ in range(20 * tpb + 5)]
+    prev = hashlib.sha256(b"seed").digest()
+    for start, n in [(0, 20), (3 * tpb, 17), (5, 20 - 1), (0, 0)]:
+        want = extend_chain(prev, token_array(tokens, start, start + n * tpb), tpb, 0, n)
+        assert chain_from_tokens(prev, tokens, start, tpb, n) == want
+        assert chain_from_tokens(prev, tuple(tokens), start, tpb, n) == want
+
+
+def test_chain_keys_reject_bad_input():
+    if not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    prev = bytes(32)
+    with pytest.raises(ValueError, match="need more than"):
+        native.chain_keys(prev, [1] * 31, 0, 16, 2)
+    with pytest.raises(ValueError, match="prev key"):
+        native.chain_keys(b"short", [1] * 32, 0, 16, 2)
+    with pytest.raises(TypeError):
+        native.chain_keys(prev, [1] * 31 + ["x"], 0, 16, 2)
+    with pytest.raises(OverflowError):
+        native.chain_keys(prev, [1] * 31 + [2**63], 0, 16, 2)
+
+
+class Slots:
+    """A few 4 KiB-headed slots in ordinary memory, addressed as the arena addresses its slabs."""
+
+    def __init__(self, n: int, slot_bytes: int = 2 * HEADER_SIZE) -> None:
+        self.buf = (ctypes.c_char * (n * slot_bytes))()
+        self.addrs = [ctypes.addressof(self.buf) + i * slot_bytes for i in range(n)]
+
+    def header(self, i: int) -> bytes:
+        return ctypes.string_at(self.addrs[i], HEADER_SIZE)
+
+
+def _write(s: Slots, keys, sums, created):
+    parents = [hashlib.sha256(k).digest() for k in keys]
+    native.write_headers(s.addrs, FP, keys, parents, sums, 12345, 1, 32, created)
+    return parents
+
+
+def test_written_headers_are_the_packed_headers_and_check_back(impl):
+    n = 5
+    s = Slots(n)
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(n)]
+    sums = [random.Random(i).randrange(2**64) for i in range(n)]
+    created = time.time_ns()
+    parents = _write(s, keys, sums, created)
+    for i in range(n):
+        want = BlockHeader(FP, keys[i], 12345, sums[i], 1, 32, created, parents[i])
+        assert s.header(i) == want.pack()
+        assert parse_header(s.header(i), fingerprint=FP, key=keys[i], payload_len=12345) == want
+    fields, got, bad, why = native.check_headers(s.addrs, FP, keys, [created] * n, 12345)
+    assert (got, bad, why) == (sums, -1, None)
+    assert fields == b"".join(s.header(i)[:HEADER_FIELDS_SIZE] for i in range(n))
+    assert native.first_changed(s.addrs, fields) == -1
+    native.clear_headers(s.addrs[3:4])
+    assert native.first_changed(s.addrs, fields) == 3
+    fields, got, bad, why = native.check_headers(s.addrs, FP, keys, [created] * n, 12345)
+    assert (got, bad) == (sums[:3], 3) and "magic" in why
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda h: h.__setitem__(slice(0, 1), b"X"), "magic"),
+    (lambda h: h.__setitem__(slice(60, 61), bytes([h[60] ^ 1])), "checksum mismatch"),
+    (lambda h: h.__setitem__(slice(4000, 4001), b"\1"), "reserved header tail"),
+])
+def test_a_damaged_header_stops_the_check_at_its_slot(impl, damage, reason):
+    n = 4
+    s = Slots(n)
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(n)]
+    created = 77
+    _write(s, keys, [1, 2, 3, 4], created)
+    raw = bytearray(s.header(2))
+    damage(raw)
+    ctypes.memmove(s.addrs[2], bytes(raw), HEADER_SIZE)
+    fields, got, bad, why = native.check_headers(s.addrs, FP, keys, [created] * n, 12345)
+    assert bad == 2 and reason in why
+    assert got == [1, 2] and len(fields) == 2 * HEADER_FIELDS_SIZE
+
+
+def test_a_reused_slot_is_told_apart_from_its_reference(impl):
+    s = Slots(3)
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    _write(s, keys, [1, 2, 3], 50)
+    other = [keys[0], hashlib.sha256(b"other").digest(), keys[2]]
+    _, got, bad, why = native.check_headers(s.addrs, FP, other, [50] * 3, 12345)
+    assert (got, bad) == ([1], 1) and "another key" in why
+    assert "newer record" in native.check_headers(s.addrs, FP, keys, [50, 50, 49], 12345)[3]
+    assert "fingerprint" in native.check_headers(s.addrs, bytes(32), keys, [50] * 3, 12345)[3]
+    assert "payload_len" in native.check_headers(s.addrs, FP, keys, [50] * 3, 4096)[3]
