@@ -16,7 +16,10 @@
 #include <openssl/sha.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 
 #define KEY 32
 #define HEADER_SIZE 4096
@@ -321,7 +324,49 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(hit);
 }
 
+/* link_all(src, dsts) -> list of errno values, 0 where link(2) succeeded
+ *
+ * Publishes one arena reference file under every key of a save batch (pool.publish_refs): each
+ * link is a system call, several microseconds in a sandboxed kernel, and the loop holds no GIL. */
+static PyObject *link_all(PyObject *self, PyObject *args) {
+    const char *src;
+    PyObject *dsts;
+    if (!PyArg_ParseTuple(args, "sO", &src, &dsts)) return NULL;
+    if (!PyList_Check(dsts)) {
+        PyErr_SetString(PyExc_TypeError, "dsts must be a list of str");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(dsts);
+    const char **paths = malloc((size_t)(n ? n : 1) * sizeof *paths);
+    int *errs = malloc((size_t)(n ? n : 1) * sizeof *errs);
+    PyObject *out = NULL;
+    if (!paths || !errs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* UTF-8 kept alive by the str objects in dsts */
+        paths[i] = PyUnicode_AsUTF8AndSize(PyList_GetItem(dsts, i), NULL);
+        if (!paths[i]) goto done;
+    }
+    Py_INCREF(dsts); /* the list (and so its strings) outlives the loop even if another thread edits it */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, paths[i], 0) ? errno : 0;
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *e = PyLong_FromLong(errs[i]);
+        if (!e) Py_CLEAR(out);
+        else PyList_SetItem(out, i, e);
+    }
+    Py_DECREF(dsts);
+done:
+    free(paths);
+    free(errs);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"link_all", link_all, METH_VARARGS, "link_all(src, dsts) -> list[int]"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
     {"write_headers", write_headers, METH_VARARGS,
      "write_headers(addrs, fingerprint, keys, parents, sums, payload_len, algo, tokens_per_block, created_ns)"},

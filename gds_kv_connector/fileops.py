@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from . import native
+
 
 class FileOps:
     """Thin pass-through to ``os``; subclass to inject faults."""
@@ -38,6 +40,22 @@ class FileOps:
 
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst, follow_symlinks=False)
+
+    def link_all(self, src: str, dsts: list[str]) -> list[OSError | None]:
+        """Link ``src`` under every name in ``dsts``; the error per name, None where it was linked.
+
+        One C loop where the extension is built, unless a subclass overrides :meth:`link` (fault
+        injection), which then sees every call."""
+        if type(self).link is FileOps.link:
+            return [None if e == 0 else OSError(e, os.strerror(e), d) for e, d in zip(native.link_all(src, dsts), dsts)]
+        out: list[OSError | None] = []
+        for dst in dsts:
+            try:
+                self.link(src, dst)
+                out.append(None)
+            except OSError as exc:
+                out.append(exc)
+        return out
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)

@@ -288,19 +288,24 @@ class BlockPool:
                 out.extend(exc for _ in chunk)
                 continue
             try:
+                no_dir: dict[str, Exception] = {}
+                for d in {self._key_dirs[ref.key[0]] for ref in chunk}:
+                    try:
+                        self._makedirs(d)
+                    except (OSError, PoolError) as exc:
+                        no_dir[d] = exc
+                todo = [ref for ref in chunk if self._key_dirs[ref.key[0]] not in no_dir]
+                errors = iter(self.ops.link_all(tmp, [self.path_for(ref.key) for ref in todo]))
                 deadline = time.monotonic() + self.index_ttl_s
                 for ref in chunk:
-                    try:
-                        self._makedirs(self._key_dirs[ref.key[0]])
-                        self.ops.link(tmp, self.path_for(ref.key))
-                    except FileExistsError:
-                        out.append(False)
-                        continue
-                    except (OSError, PoolError) as exc:
-                        out.append(exc)
-                        continue
-                    self._index[ref.key] = deadline
-                    out.append(True)
+                    failed = no_dir.get(self._key_dirs[ref.key[0]])
+                    if failed is None:
+                        failed = next(errors)
+                    if failed is None:
+                        self._index[ref.key] = deadline
+                        out.append(True)
+                    else:
+                        out.append(False if isinstance(failed, FileExistsError) else failed)
             finally:
                 self.discard_tmp(-1, tmp)
         return out

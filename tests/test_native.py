@@ -6,13 +6,16 @@ Every test runs twice: with the extension (where it was built) and with its Pyth
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
+import os
 import random
 import time
 
 import pytest
 
 from gds_kv_connector import native
+from gds_kv_connector.fileops import FileOps
 from gds_kv_connector.keys import chain_from_tokens, extend_chain, token_array
 from gds_kv_connector.pool_format import HEADER_FIELDS_SIZE, HEADER_SIZE, BlockHeader, parse_header
 
@@ -125,3 +128,30 @@ def test_a_reused_slot_is_told_apart_from_its_reference(impl):
     assert "newer record" in native.check_headers(s.addrs, FP, keys, [50, 50, 49], 12345)[3]
     assert "fingerprint" in native.check_headers(s.addrs, bytes(32), keys, [50] * 3, 12345)[3]
     assert "payload_len" in native.check_headers(s.addrs, FP, keys, [50] * 3, 4096)[3]
+
+
+def test_link_all_reports_each_name(impl, tmp_path):
+    src = tmp_path / "src"
+    src.write_bytes(b"ref")
+    (tmp_path / "taken").write_bytes(b"other")
+    dsts = [str(tmp_path / "a"), str(tmp_path / "taken"), str(tmp_path / "nodir" / "b"), str(tmp_path / "c")]
+    assert native.link_all(str(src), dsts) == [0, errno.EEXIST, errno.ENOENT, 0]
+    assert os.stat(dsts[0]).st_ino == os.stat(dsts[3]).st_ino == os.stat(src).st_ino
+    assert (tmp_path / "taken").read_bytes() == b"other"
+
+
+def test_file_ops_link_all_goes_through_an_overridden_link(tmp_path):
+    seen = []
+
+    class Counting(FileOps):
+        def link(self, src, dst):
+            seen.append(dst)
+            super().link(src, dst)
+
+    src = tmp_path / "src"
+    src.write_bytes(b"ref")
+    errs = Counting().link_all(str(src), [str(tmp_path / "a"), str(tmp_path / "a")])
+    assert seen == [str(tmp_path / "a")] * 2
+    assert errs[0] is None and isinstance(errs[1], FileExistsError)
+    errs = FileOps().link_all(str(src), [str(tmp_path / "b"), str(tmp_path / "a")])
+    assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename == str(tmp_path / "a")
