@@ -321,9 +321,10 @@ class SlotArena:
 
     def published(self, refs: list[SlotRef]) -> None:
         with self._lock:
+            used = self._used
             for ref in refs:
-                self._used[(ref.slab, ref.slot)] = (ref.key, ref.created_ns)
-                self.remember(ref)
+                used[(ref.slab, ref.slot)] = (ref.key, ref.created_ns)
+        self.remember_all(refs)
 
     def release(self, slab: str, slot: int) -> None:
         """A slot that was never published (lost race, failed copy): free at once."""
@@ -370,8 +371,7 @@ class SlotArena:
         if len(self._ref_files) >= _REF_FILE_CACHE:
             self._ref_files.clear()
         self._ref_files[ident] = entries
-        for ref in entries.values():
-            self.remember(ref)
+        self.remember_all(list(entries.values()))
 
     def ref_file_entry(self, ident: tuple[int, int, int], key: bytes) -> SlotRef | None:
         entries = self._ref_files.get(ident)
@@ -381,11 +381,15 @@ class SlotArena:
         return self._where.get(key)
 
     def remember(self, ref: SlotRef) -> None:
+        self.remember_all((ref,))
+
+    def remember_all(self, refs: tuple[SlotRef, ...] | list[SlotRef]) -> None:
         where = self._where
-        if len(where) >= _WHERE_CACHE:  # drop the oldest eighth; forgetting only costs a lookup
-            for key in list(itertools.islice(where, _WHERE_CACHE // 8)):
+        if len(where) + len(refs) > _WHERE_CACHE:  # drop the oldest eighth; forgetting only costs a lookup
+            for key in list(itertools.islice(where, max(_WHERE_CACHE // 8, len(refs)))):
                 where.pop(key, None)
-        where[ref.key] = ref
+        for ref in refs:
+            where[ref.key] = ref
 
     def forget(self, key: bytes) -> None:
         self._where.pop(key, None)

@@ -295,7 +295,8 @@ class BlockPool:
                     except (OSError, PoolError) as exc:
                         no_dir[d] = exc
                 todo = [ref for ref in chunk if self._key_dirs[ref.key[0]] not in no_dir]
-                errors = iter(self.ops.link_all(tmp, [self.path_for(ref.key) for ref in todo]))
+                dirs = self._key_dirs  # path_for without its per-call key check: these keys are ours
+                errors = iter(self.ops.link_all(tmp, [f"{dirs[r.key[0]]}/{r.key.hex()}{BLOCK_SUFFIX}" for r in todo]))
                 deadline = time.monotonic() + self.index_ttl_s
                 for ref in chunk:
                     failed = no_dir.get(self._key_dirs[ref.key[0]])

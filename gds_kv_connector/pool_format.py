@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = b"GDSKVBLK"
 FORMAT_VERSION = 1
@@ -108,9 +109,11 @@ _REF_ENTRY = struct.Struct("<32sIIQ")
 _SLAB_NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
-@dataclass(frozen=True)
-class SlotRef:
-    """Where one key's block record lives: slot ``slot`` of slab file ``slab``, written at ``created_ns``."""
+class SlotRef(NamedTuple):
+    """Where one key's block record lives: slot ``slot`` of slab file ``slab``, written at ``created_ns``.
+
+    A named tuple, not a frozen dataclass: one is made per block saved or resolved, and a frozen
+    dataclass's ``__init__`` costs several times a tuple's on a transfer thread."""
 
     key: bytes
     slab: str
