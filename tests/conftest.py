@@ -29,3 +29,15 @@ def pool_env(tmp_path, monkeypatch):
     root = tmp_path / "pool"
     monkeypatch.setenv("TLLM_GDS_KV_ROOT", str(root))
     return root
+
+
+@pytest.fixture(params=["c", "python"])
+def native_impl(request, monkeypatch):
+    """Run a test with the C per-block loops (where the extension is built) and with their Python fallback."""
+    from gds_kv_connector import native
+
+    if request.param == "c" and not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(native, "_lib", None)
+    return request.param

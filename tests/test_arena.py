@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gds_kv_connector import arena as arena_mod
-from gds_kv_connector import native
 from gds_kv_connector.arena import ArenaError, SlotArena, start_arena
 from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save_blocks
 from gds_kv_connector.engines.host_dma import coalesce
@@ -34,14 +33,10 @@ def shm_root(tmp_path):
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True, params=["c", "python"])
-def header_loops(request, monkeypatch):
+@pytest.fixture(autouse=True)
+def header_loops(native_impl):
     """Every arena test runs with the C header loops (where built) and with their Python fallback."""
-    if request.param == "c" and not native.BUILT:
-        pytest.skip("the C extension is not built here")
-    if request.param == "python":
-        monkeypatch.setattr(native, "_lib", None)
-    return request.param
+    return native_impl
 
 
 @pytest.fixture

@@ -22,22 +22,13 @@ from gds_kv_connector.pool_format import HEADER_FIELDS_SIZE, HEADER_SIZE, BlockH
 FP = hashlib.sha256(b"native-test").digest()
 
 
-@pytest.fixture(params=["c", "python"])
-def impl(request, monkeypatch):
-    if request.param == "c" and not native.BUILT:
-        pytest.skip("the C extension is not built here")
-    if request.param == "python":
-        monkeypatch.setattr(native, "_lib", None)
-    return request.param
-
-
 def test_the_extension_is_built_where_a_compiler_is():
     """CI and the README install build it; a missing build would silently cost the speed."""
     assert native.BUILT
 
 
 @pytest.mark.parametrize("tpb", [1, 16, 32])
-def test_chain_keys_equal_the_definition(impl, tpb):
+def test_chain_keys_equal_the_definition(native_impl, tpb):
     rng = random.Random(tpb)
     tokens = [rng.randrange(-2**63, 2**63) for _ in range(20 * tpb + 5)]
     prev = hashlib.sha256(b"seed").digest()
@@ -78,7 +69,7 @@ def _write(s: Slots, keys, sums, created):
     return parents
 
 
-def test_written_headers_are_the_packed_headers_and_check_back(impl):
+def test_written_headers_are_the_packed_headers_and_check_back(native_impl):
     n = 5
     s = Slots(n)
     keys = [hashlib.sha256(bytes([i])).digest() for i in range(n)]
@@ -104,7 +95,7 @@ def test_written_headers_are_the_packed_headers_and_check_back(impl):
     (lambda h: h.__setitem__(slice(60, 61), bytes([h[60] ^ 1])), "checksum mismatch"),
     (lambda h: h.__setitem__(slice(4000, 4001), b"\1"), "reserved header tail"),
 ])
-def test_a_damaged_header_stops_the_check_at_its_slot(impl, damage, reason):
+def test_a_damaged_header_stops_the_check_at_its_slot(native_impl, damage, reason):
     n = 4
     s = Slots(n)
     keys = [hashlib.sha256(bytes([i])).digest() for i in range(n)]
@@ -118,7 +109,7 @@ def test_a_damaged_header_stops_the_check_at_its_slot(impl, damage, reason):
     assert got == [1, 2] and len(fields) == 2 * HEADER_FIELDS_SIZE
 
 
-def test_a_reused_slot_is_told_apart_from_its_reference(impl):
+def test_a_reused_slot_is_told_apart_from_its_reference(native_impl):
     s = Slots(3)
     keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
     _write(s, keys, [1, 2, 3], 50)
@@ -130,7 +121,7 @@ def test_a_reused_slot_is_told_apart_from_its_reference(impl):
     assert "payload_len" in native.check_headers(s.addrs, FP, keys, [50] * 3, 4096)[3]
 
 
-def test_link_all_reports_each_name(impl, tmp_path):
+def test_link_all_reports_each_name(native_impl, tmp_path):
     src = tmp_path / "src"
     src.write_bytes(b"ref")
     (tmp_path / "taken").write_bytes(b"other")
