@@ -10,7 +10,6 @@ the pool and the POSIX engine exactly as the worker wires them.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
