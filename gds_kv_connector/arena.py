@@ -72,6 +72,8 @@ class Slab:
     base: int
     nslots: int
     registered: bool
+    writable: bool
+    owned: bool = False  # created or adopted by this process (it holds the slab's flock)
 
 
 class ArenaError(RuntimeError):
@@ -126,7 +128,8 @@ class SlotArena:
             for name in sorted(os.listdir(self.dir)):
                 if self.owned_slots >= self.capacity_slots or self._closed:
                     break
-                if name.endswith(SLAB_SUFFIX) and name not in self._slabs:
+                mapped = self._slabs.get(name)
+                if name.endswith(SLAB_SUFFIX) and (mapped is None or not mapped.owned):
                     self._try_adopt(name)
             while self.owned_slots < self.capacity_slots and not self._closed:
                 self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
@@ -165,6 +168,7 @@ class SlotArena:
                 os.fchmod(fd, self.pool.file_mode)
             os.ftruncate(fd, nslots * self.slot_bytes)
             slab = self._map(name, fd, nslots, writable=True)
+            slab.owned = True
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -190,15 +194,27 @@ class SlotArena:
         except OSError:
             os.close(fd)  # a live owner holds it
             return
-        try:
-            nslots = self._slot_count(fd, name)
-            if self.owned_slots + nslots > self.capacity_slots:
-                raise ArenaError("over capacity")
-            slab = self._map(name, fd, nslots, writable=True)
-        except (OSError, ArenaError, FormatError) as exc:
-            log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
-            os.close(fd)
-            return
+        # Under the lock: a load may have mapped this slab for reading meanwhile, and replacing that
+        # mapping would unmap it under the addresses a transfer thread is copying from (a crash, not
+        # an error, once the header checks run in C).  Such a mapping is taken over instead.
+        with self._lock:
+            try:
+                slab = self._slabs.get(name)
+                nslots = slab.nslots if slab is not None else self._slot_count(fd, name)
+                if self.owned_slots + nslots > self.capacity_slots:
+                    raise ArenaError("over capacity")
+                if slab is None:
+                    slab = self._slabs[name] = self._map(name, fd, nslots, writable=True)
+                elif not slab.writable:
+                    raise ArenaError("mapped read-only by this process")
+                else:
+                    os.close(slab.fd)
+                    slab.fd = fd  # the locked descriptor keeps the slab from now on
+                slab.owned = True
+            except (OSError, ArenaError, FormatError) as exc:
+                log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
+                os.close(fd)
+                return
         used, free = [], []
         for slot in range(nslots):
             ref = self._record_at(slab, slot)
@@ -208,7 +224,6 @@ class SlotArena:
                 free.append(slot)
         now = self.clock()
         with self._lock:
-            self._slabs[name] = slab
             for slot, ref in used:
                 self._used[(name, slot)] = (ref.key, ref.created_ns)
                 self.remember(ref)
@@ -225,7 +240,7 @@ class SlotArena:
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
         array = np.frombuffer(mm, dtype=np.uint8)
         base = array.__array_interface__["data"][0]
-        slab = Slab(name, fd, mm, array, base, nslots, False)
+        slab = Slab(name, fd, mm, array, base, nslots, False, writable)
         del array
         try:
             self.mapper.register_host(base, size, not writable)

@@ -124,7 +124,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             return {"dropped": 0, "stuck": 0}
         result = self.transfers.shutdown()
         if self.pool is not None and self.pool.arena is not None:
-            self.pool.arena.close()
+            if result.get("stuck"):  # unmapping under a transfer still copying would crash the process
+                log.warning("gds-kv: %d transfers still running at shutdown; the arena stays mapped", result["stuck"])
+            else:
+                self.pool.arena.close()
         self.capacity.close()
         self.stats_publisher.close()
         self.recency.flush()  # not close(): the scheduler of this process shares the log

@@ -164,6 +164,24 @@ def test_a_new_owner_adopts_the_slabs_of_a_finished_one(shm_root, engine):
     b.arena.close()
 
 
+def test_adoption_takes_over_a_slab_a_load_mapped_first(shm_root, engine):
+    """A restarted owner serves loads while its builder adopts slabs: a slab a load mapped first must
+    stay mapped (same addresses), or a copy in flight would read unmapped memory and crash."""
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    keys, d = _keys(2), _data(2, 9)
+    save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)])
+    a.arena.close()
+    b = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+    b.arena = SlotArena(b, engine, 2 * b.file_size, 2 * b.file_size, 0.0)
+    assert torch.equal(_load(b, engine, keys), d)  # maps the slab for reading, before the builder runs
+    (name, mapped), = b.arena._slabs.items()
+    b.arena.start(background=False)
+    assert b.arena._slabs[name] is mapped and b.arena.usage()["slabs_adopted"] == 1
+    assert b.arena.usage()["used_slots"] == 2
+    assert torch.equal(_load(b, engine, keys), d)
+    b.arena.close()
+
+
 def test_reference_format_is_strict():
     refs = [SlotRef(k, "h-1-abc.slab", i, 10 + i) for i, k in enumerate(_keys(3))]
     raw = pack_refs(FP, 8192, "h-1-abc.slab", refs)
