@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import random
+import shutil
 import time
 
 import pytest
@@ -24,7 +25,9 @@ FP = hashlib.sha256(b"native-test").digest()
 
 def test_the_extension_is_built_where_a_compiler_is():
     """CI and the README install build it; a missing build would silently cost the speed."""
-    assert native.BUILT
+    if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists("/usr/include/openssl/sha.h"):
+        pytest.skip("no C compiler or OpenSSL headers here: the Python loops are expected")
+    assert native.BUILT, "a C compiler and OpenSSL headers are present but gds_kv_connector._native was not built"
 
 
 @pytest.mark.parametrize("tpb", [1, 16, 32])
