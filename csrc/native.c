@@ -62,6 +62,23 @@ static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *
     return 0;
 }
 
+/* An array of slot addresses (native uint64): its buffer and entry count in *n. */
+static int get_addrs(PyObject *obj, Py_buffer *view, Py_ssize_t *n) {
+    if (get_buf(obj, view, -1, "addrs") < 0) return -1;
+    if (view->len % 8) {
+        PyErr_SetString(PyExc_ValueError, "addrs is not a uint64 array");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    *n = view->len / 8;
+    return 0;
+}
+
+/* The i-th address of such an array, as a pointer. */
+static unsigned char *addr_at(const Py_buffer *addrs, Py_ssize_t i) {
+    return (unsigned char *)(uintptr_t)get64((const unsigned char *)addrs->buf + i * 8);
+}
+
 /* chain_keys(prev, tokens, start, tokens_per_block, n) -> list of n keys
  *
  * key[i] = SHA-256(key[i-1] || tokens[start + i*tpb : start + (i+1)*tpb] as little-endian int64),
@@ -142,14 +159,8 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
     unsigned int algo, tpb;
     if (!PyArg_ParseTuple(args, "OOOOOKIIK", &ao, &fo, &ko, &po, &so, &plen, &algo, &tpb, &created)) return NULL;
     Py_buffer a, f, k, p, s;
-    if (get_buf(ao, &a, -1, "addrs") < 0) return NULL;
-    Py_ssize_t n = a.len / 8;
-    int ok = a.len % 8 == 0;
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "addrs is not a uint64 array");
-        PyBuffer_Release(&a);
-        return NULL;
-    }
+    Py_ssize_t n;
+    if (get_addrs(ao, &a, &n) < 0) return NULL;
     if (get_buf(fo, &f, KEY, "fingerprint") < 0) goto e0;
     if (get_buf(ko, &k, n * KEY, "keys") < 0) goto e1;
     if (get_buf(po, &p, n * KEY, "parents") < 0) goto e2;
@@ -170,7 +181,7 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
         memcpy(h + 88, (const unsigned char *)s.buf + i * 8, 8);
         memcpy(h + 120, (const unsigned char *)p.buf + i * KEY, KEY);
         put32(h + CRC_AT, crc32(0, h, CRC_AT));
-        memcpy((void *)(uintptr_t)get64((const unsigned char *)a.buf + i * 8), h, FIELDS);
+        memcpy(addr_at(&a, i), h, FIELDS);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&s);
@@ -193,10 +204,10 @@ e0:
 /* clear_headers(addrs): zero the magic of each slot before its payload is overwritten. */
 static PyObject *clear_headers(PyObject *self, PyObject *arg) {
     Py_buffer a;
-    if (get_buf(arg, &a, -1, "addrs") < 0) return NULL;
+    Py_ssize_t n;
+    if (get_addrs(arg, &a, &n) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < a.len / 8; i++)
-        memset((void *)(uintptr_t)get64((const unsigned char *)a.buf + i * 8), 0, 8);
+    for (Py_ssize_t i = 0; i < n; i++) memset(addr_at(&a, i), 0, 8);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&a);
     Py_RETURN_NONE;
@@ -241,14 +252,9 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     unsigned long long plen;
     if (!PyArg_ParseTuple(args, "OOOOK", &ao, &fo, &ko, &co, &plen)) return NULL;
     Py_buffer a, f, k, c;
-    if (get_buf(ao, &a, -1, "addrs") < 0) return NULL;
-    Py_ssize_t n = a.len / 8;
+    Py_ssize_t n;
+    if (get_addrs(ao, &a, &n) < 0) return NULL;
     PyObject *fields = NULL, *sums = NULL, *out = NULL;
-    if (a.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "addrs is not a uint64 array");
-        PyBuffer_Release(&a);
-        return NULL;
-    }
     if (get_buf(fo, &f, KEY, "fingerprint") < 0) goto e0;
     if (get_buf(ko, &k, n * KEY, "keys") < 0) goto e1;
     if (get_buf(co, &c, n * 8, "created") < 0) goto e2;
@@ -262,7 +268,7 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     const char *why = NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned char *h = (const unsigned char *)(uintptr_t)get64((const unsigned char *)a.buf + i * 8);
+        const unsigned char *h = addr_at(&a, i);
         why = header_fault(h, f.buf, (const unsigned char *)k.buf + i * KEY,
                            get64((const unsigned char *)c.buf + i * 8), plen);
         if (why) {
@@ -303,17 +309,16 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     PyObject *ao, *fo;
     if (!PyArg_ParseTuple(args, "OO", &ao, &fo)) return NULL;
     Py_buffer a, f;
-    if (get_buf(ao, &a, -1, "addrs") < 0) return NULL;
-    if (a.len % 8 || get_buf(fo, &f, a.len / 8 * FIELDS, "fields") < 0) {
-        if (a.len % 8) PyErr_SetString(PyExc_ValueError, "addrs is not a uint64 array");
+    Py_ssize_t n;
+    if (get_addrs(ao, &a, &n) < 0) return NULL;
+    if (get_buf(fo, &f, n * FIELDS, "fields") < 0) {
         PyBuffer_Release(&a);
         return NULL;
     }
     Py_ssize_t hit = -1;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < a.len / 8; i++) {
-        const void *h = (const void *)(uintptr_t)get64((const unsigned char *)a.buf + i * 8);
-        if (memcmp(h, (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (memcmp(addr_at(&a, i), (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
             hit = i;
             break;
         }

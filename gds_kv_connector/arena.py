@@ -435,8 +435,9 @@ class SlotArena:
                 err = FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
                 break
             addrs.append(slab.base + ref.slot * sb)
-        fields, sums, bad, why = native.check_headers(addrs, self.pool.fingerprint, [r.key for r in refs[:len(addrs)]],
-                                                      [r.created_ns for r in refs[:len(addrs)]], self.pool.payload_len)
+        mapped = refs[:len(addrs)]
+        fields, sums, bad, why = native.check_headers(addrs, self.pool.fingerprint, [r.key for r in mapped],
+                                                      [r.created_ns for r in mapped], self.pool.payload_len)
         if bad >= 0:
             return addrs[:bad], fields, sums, bad, FormatError(why)
         if err is not None:

@@ -47,7 +47,10 @@ class FileOps:
         One C loop where the extension is built, unless a subclass overrides :meth:`link` (fault
         injection), which then sees every call."""
         if type(self).link is FileOps.link:
-            return [None if e == 0 else OSError(e, os.strerror(e), d) for e, d in zip(native.link_all(src, dsts), dsts)]
+            errnos = native.link_all(src, dsts)
+            if errnos is not None:
+                # shaped as os.link raises them (filename src, filename2 dst), as the loop below returns
+                return [None if e == 0 else OSError(e, os.strerror(e), src, None, d) for e, d in zip(errnos, dsts)]
         out: list[OSError | None] = []
         for dst in dsts:
             try:

@@ -12,7 +12,6 @@ doctor`` reports it.  Addresses passed here are slot starts inside the arena's o
 from __future__ import annotations
 
 import ctypes
-import os
 from array import array
 from typing import Sequence
 
@@ -35,18 +34,12 @@ def chain_keys(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tok
     return _lib.chain_keys(prev, tokens, start, tokens_per_block, num_blocks)
 
 
-def link_all(src: str, dsts: list[str]) -> list[int]:
-    """link(2) ``src`` to each of ``dsts`` (symbolic links never followed); errno per name, 0 = linked."""
-    if _lib is not None:
-        return _lib.link_all(src, dsts)
-    out = []
-    for dst in dsts:
-        try:
-            os.link(src, dst, follow_symlinks=False)
-            out.append(0)
-        except OSError as exc:
-            out.append(exc.errno or 0)
-    return out
+def link_all(src: str, dsts: list[str]) -> list[int] | None:
+    """link(2) ``src`` to each of ``dsts`` (symbolic links never followed) in one C loop: errno per
+    name, 0 where linked; None where the extension is missing (FileOps.link_all then loops)."""
+    if _lib is None:
+        return None
+    return _lib.link_all(src, dsts)
 
 
 def clear_headers(addrs: Sequence[int]) -> None:

@@ -288,18 +288,18 @@ class BlockPool:
                 out.extend(exc for _ in chunk)
                 continue
             try:
+                key_dirs = [self._key_dirs[ref.key[0]] for ref in chunk]
                 no_dir: dict[str, Exception] = {}
-                for d in {self._key_dirs[ref.key[0]] for ref in chunk}:
+                for d in set(key_dirs):
                     try:
                         self._makedirs(d)
                     except (OSError, PoolError) as exc:
                         no_dir[d] = exc
-                todo = [ref for ref in chunk if self._key_dirs[ref.key[0]] not in no_dir]
-                dirs = self._key_dirs  # path_for without its per-call key check: these keys are ours
-                errors = iter(self.ops.link_all(tmp, [f"{dirs[r.key[0]]}/{r.key.hex()}{BLOCK_SUFFIX}" for r in todo]))
+                errors = iter(self.ops.link_all(tmp, [self.path_for(ref.key) for ref, d in zip(chunk, key_dirs)
+                                                      if d not in no_dir]))
                 deadline = time.monotonic() + self.index_ttl_s
-                for ref in chunk:
-                    failed = no_dir.get(self._key_dirs[ref.key[0]])
+                for ref, d in zip(chunk, key_dirs):
+                    failed = no_dir.get(d)
                     if failed is None:
                         failed = next(errors)
                     if failed is None:
