@@ -41,6 +41,7 @@ class LoadFailure(RuntimeError):
     def __init__(self, key: bytes, path: str, reason: str) -> None:
         super().__init__(f"block {key.hex()} ({path}): {reason}")
         self.key, self.path, self.reason = key, path, reason
+        self.request_id: int | None = None  # set by the transfer layer when the batch held several requests
 
 
 def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],

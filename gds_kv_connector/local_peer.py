@@ -23,6 +23,9 @@ class PeerInfo:
     block_bytes: int
     deliver_saves: Callable[[list[SaveOp]], None]
     stats: Any
+    # The worker's view of its own shard: the scheduler matches through it, so a block this process
+    # saved is found in its in-memory index instead of with a stat(2) per key.
+    pool: Any = None
 
 
 _lock = threading.Lock()

@@ -109,6 +109,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._base_fp = base_fingerprint(peer.geometry)
             self._recency = RecencyLog.for_process(self.settings.roots)
             self._lookup_pools = [
+                peer.pool if peer.pool is not None and peer.pool.fingerprint == fp else
                 BlockPool(self.settings.roots, fp, peer.block_bytes, self.config.tokens_per_block,
                           share_group=self.settings.share_group, index_ttl_s=self.settings.index_ttl_s,
                           refs=self.settings.arena_bytes > 0)

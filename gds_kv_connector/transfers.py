@@ -29,14 +29,26 @@ from .stats import Stats
 log = logging.getLogger(__name__)
 
 
-@dataclass
+# Requests submitted together are merged into batches of up to this many payload bytes (one
+# request is never split).  One request's transfer is often a few blocks; run alone it pays a
+# pin, an event wait, a checksum launch and a future each, and a 64-request prefill paid that 64
+# times on the executor and transfer threads.  64 MiB is the batch the bench found no slower than
+# larger ones (profiling/results/h200-native-1f88463/threads.log).
+MERGE_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
 class _Job:
+    """One request's part of a batch; requests merged into one batch share its future."""
+
     rid: int
     kind: str  # "load" or "save"
     future: Future
     accepted: float
     nbytes: int
     first_key: bytes
+    lead: bool = True  # the batch's outcome (a SaveOutcome) is accounted through its lead job only
+    shared: bool = False  # the future belongs to a batch of several requests
 
 
 class ConnectorFailure(RuntimeError):
@@ -67,8 +79,11 @@ class TransferManager:
     # -- submission (executor thread) -------------------------------------------------------------
     def submit_loads(self, ops: list[LoadOp], event: Any) -> None:
         self._check_open()
-        jobs = self._submit_many(ops, "load", self._run_load, event)
-        self._sync_loads.extend(job for op, job in zip(ops, jobs) if not op.is_async)
+        sync = [op for op in ops if not op.is_async]
+        if sync:  # waited for together before the first layer: batched apart from async loads
+            self._sync_loads.extend(self._submit_many(sync, "load", self._run_load, event))
+        if len(sync) < len(ops):
+            self._submit_many([op for op in ops if op.is_async], "load", self._run_load, event)
 
     def submit_saves(self, ops: list[SaveOp], event: Any) -> None:
         self._check_open()
@@ -88,35 +103,45 @@ class TransferManager:
         self._last_event = event
 
     def _submit_many(self, ops: list[Any], kind: str, fn: Callable[[Any, Any, float], Any], event: Any) -> list[_Job]:
-        """One job (and future) per request, run by at most ``transfer_threads`` runners that take
-        jobs from a shared queue: the executor thread pays one thread-pool hand-off per runner, not
-        per request (a 64-request prefill iteration paid 64), and no runner idles while work is left."""
+        """Merge the ops into batches (``_batches``), one future each, run by at most
+        ``transfer_threads`` runners that take batches from a shared queue: the executor thread
+        pays one thread-pool hand-off per runner, and no runner idles while work is left."""
         now = time.monotonic()
         deadline = now + self.settings.deadline_s
-        jobs = []
-        for op in ops:
-            job = _Job(op.request_id, kind, Future(), now, len(op.keys) * self.pool.payload_len, op.keys[0])
-            self._jobs.setdefault(op.request_id, []).append(job)
-            jobs.append(job)
-        work = collections.deque((op, job.future) for op, job in zip(ops, jobs))
-        for _ in range(min(len(ops), self.settings.transfer_threads)):
+        payload = self.pool.payload_len
+        jobs: list[_Job] = []
+        work: collections.deque = collections.deque()
+        for group in _batches(ops, payload, self.settings.transfer_threads):
+            future: Future = Future()
+            shared = len(group) > 1
+            for n, op in enumerate(group):
+                job = _Job(op.request_id, kind, future, now, len(op.keys) * payload, op.keys[0], n == 0, shared)
+                self._jobs.setdefault(op.request_id, []).append(job)
+                jobs.append(job)
+            work.append((_Merged(group) if shared else group[0], future))
+        for _ in range(min(len(work), self.settings.transfer_threads)):
             self._exec.submit(_run_queued, work, fn, event, deadline)
         return jobs
 
     # -- transfer threads -------------------------------------------------------------------------
-    def _run_load(self, op: LoadOp, event: Any, deadline: float) -> int:
+    def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
         with nvtx_range(f"io/load r{op.request_id} x{len(op.keys)}", "red"):
             _wait_event(event)
-            pins = pin_blocks(self.pool, list(op.keys))
             try:
-                views = [self.kv.block_view(b) for b in op.block_ids]
-                return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
-                                   retries=self.settings.read_retries, deadline=deadline)
-            finally:
-                for p in pins:
-                    self.pool.unpin(p)
+                pins = pin_blocks(self.pool, list(op.keys))
+                try:
+                    views = [self.kv.block_view(b) for b in op.block_ids]
+                    return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
+                                       retries=self.settings.read_retries, deadline=deadline)
+                finally:
+                    for p in pins:
+                        self.pool.unpin(p)
+            except LoadFailure as exc:
+                if isinstance(op, _Merged):
+                    exc.request_id = op.owner_of(exc.key)
+                raise
 
-    def _run_save(self, op: SaveOp, event: Any, deadline: float) -> SaveOutcome:
+    def _run_save(self, op: SaveOp | _Merged, event: Any, deadline: float) -> SaveOutcome:
         with nvtx_range(f"io/save r{op.request_id} x{len(op.keys)}", "orange"):
             _wait_event(event)
             views = [self.kv.block_view(b) for b in op.block_ids]
@@ -200,7 +225,8 @@ class TransferManager:
                 kept.append(job)
                 continue
             if job.kind == "save":
-                self._account_save(job)
+                if job.lead:
+                    self._account_save(job)
             elif not job.future.cancelled() and job.future.exception() is not None:
                 if keep_pending:
                     kept.append(job)  # a load failure is reported when its id is polled
@@ -242,14 +268,17 @@ class TransferManager:
     def _load_failure(self, job: _Job, exc: BaseException) -> ConnectorFailure:
         self.stats.add("load_failures")
         if isinstance(exc, LoadFailure):
-            return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed: key {exc.key.hex()}, "
-                                    f"file {exc.path}: {exc.reason}")
+            owner = exc.request_id
+            batched = f" (in one batch with request {owner}, whose block failed)" if owner not in (None, job.rid) else ""
+            return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed{batched}: key "
+                                    f"{exc.key.hex()}, file {exc.path}: {exc.reason}")
         return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed: {exc!r}")
 
     # -- cancellation and shutdown ----------------------------------------------------------------
     def cancel_queued(self, rid: int) -> int:
-        """Drop transfers of a request that have not started; in-flight ones run to completion."""
-        dropped = sum(1 for job in self._jobs.get(rid, ()) if job.future.cancel())
+        """Drop transfers of a request that have not started; in-flight ones, and batches it shares
+        with other requests (cancelling one would drop theirs), run to completion."""
+        dropped = sum(1 for job in self._jobs.get(rid, ()) if not job.shared and job.future.cancel())
         self.stats.add("transfers_dropped_queued", dropped)
         return dropped
 
@@ -298,3 +327,49 @@ def _run_queued(work: collections.deque, fn: Callable[[Any, Any, float], Any], e
             future.set_result(fn(op, event, deadline))
         except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
             future.set_exception(exc)
+
+
+class _Merged:
+    """Several requests' ops as one batch: the fields ``_run_load`` and ``_run_save`` read."""
+
+    __slots__ = ("request_id", "keys", "parents", "block_ids", "_owners")
+
+    def __init__(self, ops: list[Any]) -> None:
+        self.request_id = ops[0].request_id
+        self.keys = tuple(k for op in ops for k in op.keys)
+        self.block_ids = tuple(b for op in ops for b in op.block_ids)
+        self.parents = tuple(p for op in ops for p in op.parents) if isinstance(ops[0], SaveOp) else ()
+        self._owners = [(len(op.keys), op.request_id) for op in ops]
+
+    def owner_of(self, key: bytes) -> int:
+        """The request whose part of the batch holds ``key`` (the first, for a key two requests share)."""
+        at = self.keys.index(key)
+        for n, rid in self._owners:
+            if at < n:
+                return rid
+            at -= n
+        return self.request_id
+
+
+def _batches(ops: list[Any], payload: int, threads: int) -> list[list[Any]]:
+    """Consecutive ops grouped into batches of about total / ``threads`` bytes (a batch closes
+    once it reaches that), never above ``MERGE_BYTES`` unless one op alone is larger, so every
+    transfer thread gets a share."""
+    total = sum(len(op.keys) for op in ops) * payload
+    target = min(MERGE_BYTES, -(-total // threads))
+    out: list[list[Any]] = []
+    group: list[Any] = []
+    size = 0
+    for op in ops:
+        nbytes = len(op.keys) * payload
+        if group and size + nbytes > MERGE_BYTES:
+            out.append(group)
+            group, size = [], 0
+        group.append(op)
+        size += nbytes
+        if size >= target:
+            out.append(group)
+            group, size = [], 0
+    if group:
+        out.append(group)
+    return out

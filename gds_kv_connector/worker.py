@@ -79,7 +79,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
-                                          self.stats))
+                                          self.stats, self.pool))
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s)", kv.num_blocks,
                  kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe())
 

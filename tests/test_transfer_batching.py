@@ -1,0 +1,131 @@
+"""Requests submitted in one iteration move as a few shared batches, not one batch each.
+
+A 64-request prefill used to hand 64 jobs to the transfer threads, each paying a pin, an event
+wait, a checksum launch and a future; now they are merged into at most ``transfer_threads``
+batches (``transfers._batches``).  What must not change: every request is reported exactly when
+its bytes are in place, a save is counted once, a failed block is attributed to its own request,
+and cancelling one request never drops another's work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.register_assert_rewrite("fault_helpers")
+import fault_helpers as fh  # noqa: E402
+from test_fault_storage import Rig  # noqa: E402
+from connector_helpers import make_executor, rand_tokens, serve  # noqa: E402
+from gds_kv_connector.fileops import FileOps  # noqa: E402
+from gds_kv_connector.metadata import LoadOp, SaveOp  # noqa: E402
+from gds_kv_connector.transfers import MERGE_BYTES, ConnectorFailure, _batches  # noqa: E402
+
+pytest_plugins = ["fault_helpers"]
+
+
+def _ops(sizes: list[int]) -> list[SaveOp]:
+    return [SaveOp(rid, tuple(fh.key_of("b", rid, j) for j in range(n)), (b"",) * n, tuple(range(n)))
+            for rid, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("sizes,threads,payload,want", [
+    ([1] * 10, 4, 1000, [3, 3, 3, 1]),         # about total / threads blocks each
+    ([4] * 64, 4, 65536, [16] * 4),            # the bench's prefill: 64 requests of 4 blocks
+    ([2], 4, 1000, [1]),
+    ([5, 1, 1], 2, 1000, [1, 2]),              # a large request alone, the small ones together
+    ([1] * 8, 1, MERGE_BYTES // 2, [2] * 4),   # never above MERGE_BYTES per batch
+    ([1, 4, 1], 1, MERGE_BYTES // 4, [1, 1, 1]),  # ... even when the next request would overshoot it
+    ([3], 1, MERGE_BYTES, [1]),                # one request larger than MERGE_BYTES is not split
+])
+def test_batches_cover_every_op_once_in_order(sizes, threads, payload, want):
+    ops = _ops(sizes)
+    got = _batches(ops, payload, threads)
+    assert [len(g) for g in got] == want
+    assert [op for g in got for op in g] == ops
+
+
+def test_requests_submitted_together_share_batches_and_all_arrive(tmp_path):
+    r = Rig(str(tmp_path / "pool"), num_blocks=40, TLLM_GDS_KV_TRANSFER_THREADS="2")
+    try:
+        saves = [r.save_op(rid, [fh.key_of("share", rid, j) for j in range(2)], first_block=2 * rid)
+                 for rid in range(6)]
+        r.tm.submit_saves(saves, None)
+        futures = {id(j.future) for jobs in r.tm._jobs.values() for j in jobs}
+        assert len(futures) == 2  # 6 requests, 2 transfer threads
+        r.poll_until(finished=range(6), want_saved=range(6))
+        assert r.stats.snapshot()["blocks_saved"] == 12  # a shared batch is counted once, not per request
+        for i in range(12):
+            r.kv.block_view(i).numpy()[:] = 0
+        # loads into other pages: requests 10-12 synchronous, 13-14 asynchronous, in one submission
+        loads = [LoadOp(10 + n, op.keys, (20 + 2 * n, 21 + 2 * n), n >= 3) for n, op in enumerate(saves[:5])]
+        r.tm.submit_loads(loads, None)
+        assert r.tm.has_sync_loads
+        r.tm.wait_sync_loads()
+        for op in loads[:3]:  # in place as soon as wait_sync_loads returns
+            for k, b in zip(op.keys, op.block_ids):
+                assert r.kv.block_view(b).numpy().tobytes() == fh.expected_payload(k)
+        r.poll_until(loading=[13, 14], want_loaded=[13, 14])
+        for op in loads[3:]:
+            for k, b in zip(op.keys, op.block_ids):
+                assert r.kv.block_view(b).numpy().tobytes() == fh.expected_payload(k)
+        snap = r.stats.snapshot()
+        assert snap["loads_sync"] == 3 and snap["loads_async"] == 2
+    finally:
+        r.close()
+
+
+def test_a_failed_block_in_a_shared_batch_names_its_own_request(tmp_path):
+    r = Rig(str(tmp_path / "pool"), num_blocks=16, TLLM_GDS_KV_TRANSFER_THREADS="1")
+    try:
+        keys = [fh.key_of("own", i) for i in range(4)]
+        r.preload(keys)
+        os.unlink(r.pool.path_for(keys[3]))  # request 2's second block vanishes before the load
+        r.tm.submit_loads([LoadOp(1, tuple(keys[:2]), (8, 9), True), LoadOp(2, tuple(keys[2:]), (10, 11), True)],
+                          None)
+        with pytest.raises(ConnectorFailure) as info:
+            r.poll_until(loading=[1, 2], want_loaded=[1, 2])
+        msg = str(info.value)
+        assert "request 1 failed (in one batch with request 2, whose block failed)" in msg
+        assert keys[3].hex() in msg and "vanished" in msg
+    finally:
+        r.close()
+
+
+def test_cancelling_one_request_never_drops_a_batch_it_shares(tmp_path):
+    r = Rig(str(tmp_path / "pool"), num_blocks=16, TLLM_GDS_KV_TRANSFER_THREADS="1",
+            TLLM_GDS_KV_CONTROL_GRACE_S="0.5")
+    try:
+        r.ops.add("pwrite", "stall", stall_s=30.0, count=1, skip=1)
+        r.tm.submit_save(r.save_op(1, [fh.key_of("blocker")], first_block=0), None)
+        assert r.ops.stall_started.wait(5)
+        shared = [r.save_op(2, [fh.key_of("s", 2)], first_block=1), r.save_op(3, [fh.key_of("s", 3)], first_block=2)]
+        r.tm.submit_saves(shared, None)
+        assert r.tm.cancel_queued(2) == 0  # queued, but request 3's block rides in the same batch
+        r.ops.release()
+        r.poll_until(finished=[1, 2, 3], want_saved=[1, 2, 3])
+        assert r.pool.contains(shared[0].keys[0]) and r.pool.contains(shared[1].keys[0])
+    finally:
+        r.close()
+
+
+def test_matching_a_block_this_process_saved_needs_no_stat(pool_env, monkeypatch):
+    """The scheduler matches through the worker's pool view, whose index knows what it published."""
+    ex = make_executor()
+    prompt = rand_tokens(100, 5)
+    serve(ex, [prompt], max_new_tokens=2)
+    deadline = time.monotonic() + 5
+    while ex.worker.stats.snapshot().get("blocks_saved", 0) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats: list[str] = []
+    real_stat = FileOps.stat
+
+    def counting_stat(self, path):
+        stats.append(path)
+        return real_stat(self, path)
+    monkeypatch.setattr(FileOps, "stat", counting_stat)  # every pool view's lookups go through it
+    st = serve(ex, [prompt], max_new_tokens=2, first_id=10)
+    assert st.loaded_tokens == 96
+    assert stats == []
+    ex.worker.shutdown()
