@@ -154,6 +154,13 @@ class TransferManager:
     def wait_sync_loads(self) -> None:
         """Block until this iteration's synchronous loads are in place (before the first layer)."""
         jobs, self._sync_loads = self._sync_loads, []
+        t0 = time.perf_counter()
+        try:
+            self._wait_all(jobs)
+        finally:  # how long the forward was held for bytes, apart from the callbacks' own cost
+            self.stats.add("sync_load_wait_us", int(1e6 * (time.perf_counter() - t0)))
+
+    def _wait_all(self, jobs: list[_Job]) -> None:
         for job in jobs:
             remaining = job.accepted + self.settings.deadline_s - time.monotonic()
             try:

@@ -129,3 +129,19 @@ def test_matching_a_block_this_process_saved_needs_no_stat(pool_env, monkeypatch
     assert st.loaded_tokens == 96
     assert stats == []
     ex.worker.shutdown()
+
+
+def test_time_held_for_synchronous_loads_is_counted(tmp_path):
+    r = Rig(str(tmp_path / "pool"), num_blocks=8)
+    try:
+        keys = [fh.key_of("held", i) for i in range(2)]
+        r.preload(keys)
+        r.ops.add("preadv", "stall", stall_s=0.3, count=1)
+        r.tm.submit_loads([LoadOp(1, tuple(keys), (4, 5), False)], None)
+        t0 = time.monotonic()
+        r.tm.wait_sync_loads()
+        held = time.monotonic() - t0
+        waited_us = r.stats.snapshot()["sync_load_wait_us"]
+        assert 0.25e6 <= waited_us <= 1e6 * held + 1000
+    finally:
+        r.close()
