@@ -36,7 +36,7 @@ class FileOps:
         return os.fstat(fd)
 
     def stat(self, path: str) -> os.stat_result:
-        return os.stat(path, follow_symlinks=False)
+        return os.lstat(path)
 
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst, follow_symlinks=False)
