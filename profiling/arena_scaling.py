@@ -1,0 +1,126 @@
+"""How the arena save and load paths scale with threads, and which step stops scaling.
+
+    python profiling/arena_scaling.py [--block 256KiB] [--blocks 2048] [--batch 256] [--threads 1,2,4,8]
+
+Each of T threads saves (then loads) its own ``--blocks`` blocks through ``block_io`` in batches of
+``--batch``, as transfer threads do.  Every step of the path (checksum kernel, header clear, DMA,
+header write, reference file + links, bookkeeping, pins, header checks) is timed per call on the
+thread that ran it; the table gives each step's wall time per block, averaged over threads.  A step
+whose per-block time grows with T is where threads wait for each other: for the GIL if it is Python,
+for the copy engines if it is the DMA, for the kernel if it is link(2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gds_kv_connector import block_io, native  # noqa: E402
+from gds_kv_connector.arena import SlotArena  # noqa: E402
+from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.pool import BlockPool  # noqa: E402
+from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
+from gds_kv_connector.settings import parse_size  # noqa: E402
+
+_acc: dict[str, float] = collections.defaultdict(float)
+_lock = threading.Lock()
+
+
+def _timed(name: str, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            dt = time.perf_counter() - t0
+            with _lock:
+                _acc[name] += dt
+    return wrapper
+
+
+def _instrument(pool: BlockPool, engine) -> None:
+    for name in ("checksums", "copy_to_host", "copy_from_host"):
+        setattr(engine, name, _timed(name, getattr(engine, name)))
+    pool.publish_refs = _timed("publish_refs (ref file + link)", pool.publish_refs)
+    pool.arena.published = _timed("arena.published", pool.arena.published)
+    pool.arena.alloc = _timed("arena.alloc", pool.arena.alloc)
+    pool.arena.check_records = _timed("arena.check_records", pool.arena.check_records)
+    pool.arena.touch = _timed("arena.touch", pool.arena.touch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--block", default="256KiB")
+    ap.add_argument("--blocks", type=int, default=2048, help="blocks per thread")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--dir", default="/dev/shm")
+    a = ap.parse_args()
+    size, n = parse_size(a.block), a.blocks
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for name in ("clear_headers", "write_headers", "first_changed"):  # the C steps, as block_io calls them
+        setattr(block_io.native, name, _timed(f"native.{name}", getattr(native, name)))
+    block_io.pin_blocks = _timed("pin_blocks", block_io.pin_blocks)
+    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}")
+    for threads in [int(t) for t in a.threads.split(",")]:
+        root = tempfile.mkdtemp(prefix="gdskv-arena-scaling-", dir=a.dir)
+        try:
+            engine = make_engine("auto", device, 16)
+            pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, refs=True, index_ttl_s=600)
+            pool.arena = SlotArena(pool, engine, (threads * n + 64) * pool.file_size + (64 << 20), 256 << 20, 5.0)
+            pool.arena.start(background=False)
+            kv = torch.randint(0, 256, (threads * n, size), dtype=torch.uint8, device=device)
+            views = [kv[i] for i in range(threads * n)]
+            block_io.save_blocks(pool, engine, [os.urandom(32)], [ZERO_KEY], [views[0]])  # warm-up
+            _instrument(pool, engine)
+            keys = [hashlib.sha256(b"%d %d" % (threads, i)).digest() for i in range(threads * n)]
+
+            def work(t: int, direction: str) -> None:
+                for lo in range(t * n, (t + 1) * n, a.batch):
+                    ks, vs = keys[lo:lo + a.batch], views[lo:lo + a.batch]
+                    if direction == "save":
+                        out = block_io.save_blocks(pool, engine, ks, [ZERO_KEY] * len(ks), vs)
+                        assert not out.failed, out.failed[:1]
+                    else:
+                        pins = block_io.pin_blocks(pool, ks)
+                        block_io.load_blocks(pool, engine, pins, vs, verify=True, retries=0,
+                                             deadline=time.monotonic() + 60)
+
+            for direction in ("save", "load"):
+                _acc.clear()
+                if direction == "load":
+                    pool.arena.drop_caches()
+                ts = [threading.Thread(target=work, args=(t, direction)) for t in range(threads)]
+                t0 = time.perf_counter()
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                wall = time.perf_counter() - t0
+                total = threads * n
+                print(f"== {threads} thread(s) {direction}: {total} blocks in {wall:.3f} s = "
+                      f"{total * size / wall / 1e9:.2f} GB/s, {wall / total * 1e6:.2f} us/block overall")
+                per_thread_wall = wall * 1e6 / n  # each thread's wall time per block it moved
+                steps = sorted(_acc.items(), key=lambda kv: -kv[1])
+                for name, secs in steps:
+                    print(f"     {name:<34} {secs / total * 1e6:7.2f} us/block on its thread")
+                rest = per_thread_wall - sum(s for _, s in steps) / total * 1e6
+                print(f"     {'(the rest: Python in block_io)':<34} {rest:7.2f} us/block on its thread")
+            pool.arena.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
