@@ -210,41 +210,45 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> object:
         with _RANGE_BUILD_META:
             saves = self._out_saves
-            on_report, due_save = self._on_report, self._due_save
-            for rd in scheduler_output.new_requests:
-                op = due_save(on_report(rd, True))
-                if op is not None:
-                    saves.append(op)
-            for rd in scheduler_output.cached_requests:
-                op = due_save(on_report(rd, False))
-                if op is not None:
-                    saves.append(op)
+            self._fold_reports(scheduler_output.new_requests, True, saves)
+            self._fold_reports(scheduler_output.cached_requests, False, saves)
             meta = GdsKvMetadata(self._out_loads, saves)
             self._out_loads, self._out_saves = [], []
             return meta
 
-    def _on_report(self, rd: Any, first: bool) -> _Request:
-        """Fold one request's report into its state; runs for every scheduled request every iteration."""
-        st = self._reqs.get(rd.request_id)
-        if st is None:
-            st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
-        if first and not st.reported:
-            if rd.new_tokens:
-                st.set_tokens(rd.new_tokens)
-            st.prompt_len = st.prompt_len or len(st.tokens)
-        else:
-            st.tokens.extend(rd.new_tokens)
-        st.reported = True
-        blocks = rd.new_block_ids
-        if not blocks:
-            by_group = getattr(rd, "new_block_ids_by_layer_group", None)
-            blocks = by_group[0] if by_group and len(by_group) == 1 else ()
-        if blocks:
-            st.block_ids.extend(blocks)
-        end = rd.computed_position + rd.num_scheduled_tokens + (st.sync_loaded_tokens if first else 0)
-        if end > st.kv_end:
-            st.kv_end = end
-        return st
+    def _fold_reports(self, reports: Sequence[Any], first: bool, saves: list[SaveOp]) -> None:
+        """Fold each scheduled request's report into its state and queue the saves it makes due.
+
+        Runs for every scheduled request every iteration, so it is one loop over locals: a decode
+        step of a 64-request batch spends most of the callback here.
+        """
+        reqs, tpb, save = self._reqs, self._tpb, self._save
+        for rd in reports:
+            st = reqs.get(rd.request_id)
+            if st is None:
+                st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
+            if first and not st.reported:
+                if rd.new_tokens:
+                    st.set_tokens(rd.new_tokens)
+                st.prompt_len = st.prompt_len or len(st.tokens)
+                end = st.sync_loaded_tokens
+            else:
+                st.tokens += rd.new_tokens
+                end = 0
+            st.reported = True
+            blocks = rd.new_block_ids
+            if not blocks:
+                by_group = getattr(rd, "new_block_ids_by_layer_group", None)
+                blocks = by_group[0] if by_group and len(by_group) == 1 else ()
+            if blocks:
+                st.block_ids += blocks
+            end += rd.computed_position + rd.num_scheduled_tokens
+            if end > st.kv_end:
+                st.kv_end = end
+            if save and st.kv_end >= (st.next_save + 1) * tpb:  # a further block's KV is written
+                op = self._due_save(st)
+                if op is not None:
+                    saves.append(op)
 
     def _due_save(self, st: _Request) -> SaveOp | None:
         """Blocks that are full and whose KV the forward will have written this iteration.
