@@ -11,7 +11,6 @@ import errno
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -24,9 +23,6 @@ from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRe
 log = logging.getLogger(__name__)
 
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT}
-# Bytes per chunk of an arena save: several chunks per 64 MiB batch, each large enough that its
-# copy runs at the copy engines' full rate (a 2D copy of 16 MiB over slots does on the H200).
-PIPELINE_BYTES = 16 << 20
 
 
 @dataclass
@@ -109,76 +105,24 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
 def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
                    views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
                    now: int, out: SaveOutcome) -> None:
-    """Headers cleared, payloads copied, headers written, then one reference file per slab.
-
-    The batch moves in chunks of about ``PIPELINE_BYTES``: the copy of one chunk is queued before
-    the previous one is published, so the copy engines run while this thread writes headers and
-    links names, and threads do not take turns between the GIL and the DMA."""
+    """Headers cleared, payloads copied, headers written, then one reference file per slab."""
     arena = pool.arena
     assert arena is not None
     addrs = arena.slot_addrs(slots)
-    step = max(1, PIPELINE_BYTES // max(1, pool.payload_len))
-    pending: tuple[int, int, Callable[[], None]] | None = None  # (lo, hi, wait) of the chunk in flight
     try:
-        for lo in range(0, len(todo), step):
-            hi = min(lo + step, len(todo))
-            started = _start_chunk(engine, arena, keys, views, todo, addrs, slots, lo, hi, out)
-            prev, pending = pending, ((lo, hi, started) if started is not None else None)
-            if prev is not None:
-                _publish_chunk(pool, keys, parents, todo, sums, slots, addrs, now, out, *prev)
-        prev, pending = pending, None
-        if prev is not None:
-            _publish_chunk(pool, keys, parents, todo, sums, slots, addrs, now, out, *prev)
-    except BaseException as exc:  # a bug or an interrupt: the chunk in flight must not keep its slots
-        if pending is not None:
-            lo, hi, wait = pending
-            try:
-                wait()  # its copy may still be writing into the slots
-            finally:
-                _drop_chunk(arena, keys, todo, slots, lo, hi, exc, out)
-        raise
-
-
-def _start_chunk(engine: IoEngine, arena, keys: list[bytes], views: list[torch.Tensor], todo: list[int],
-                 addrs: list[int], slots: list[tuple[str, int]], lo: int, hi: int,
-                 out: SaveOutcome) -> Callable[[], None] | None:
-    """Clear the chunk's headers and queue its copy; on failure free its slots and count its keys."""
-    try:
-        native.clear_headers(addrs[lo:hi])
-        return engine.start_copy_to_host([(addrs[n] + HEADER_SIZE, views[todo[n]]) for n in range(lo, hi)],
-                                         arena.slot_bytes)
+        native.clear_headers(addrs)
+        engine.copy_to_host([(a + HEADER_SIZE, views[i]) for i, a in zip(todo, addrs)], arena.slot_bytes)
     except BaseException as exc:
-        _drop_chunk(arena, keys, todo, slots, lo, hi, exc, out)
+        for slab, slot in slots:
+            arena.release(slab, slot)
         if not isinstance(exc, Exception):
             raise
-        return None
-
-
-def _drop_chunk(arena, keys: list[bytes], todo: list[int], slots: list[tuple[str, int]], lo: int, hi: int,
-                exc: BaseException, out: SaveOutcome) -> None:
-    for slab, slot in slots[lo:hi]:
-        arena.release(slab, slot)
-    out.failed.extend((keys[todo[n]], _cause(exc)) for n in range(lo, hi))
-
-
-def _publish_chunk(pool: BlockPool, keys: list[bytes], parents: list[bytes], todo: list[int], sums: list[int],
-                   slots: list[tuple[str, int]], addrs: list[int], now: int, out: SaveOutcome,
-                   lo: int, hi: int, wait: Callable[[], None]) -> None:
-    """Wait for the chunk's copy, write its headers, then one reference file per slab it uses."""
-    arena = pool.arena
-    try:
-        wait()
-    except BaseException as exc:
-        _drop_chunk(arena, keys, todo, slots, lo, hi, exc, out)
-        if not isinstance(exc, Exception):
-            raise
+        out.failed.extend((keys[i], _cause(exc)) for i in todo)
         return
-    idx = todo[lo:hi]
-    native.write_headers(addrs[lo:hi], pool.fingerprint, [keys[i] for i in idx],
-                         [parents[i] or ZERO_KEY for i in idx], sums[lo:hi], pool.payload_len, CHECKSUM_ALGO,
-                         pool.tokens_per_block, now)
+    native.write_headers(addrs, pool.fingerprint, [keys[i] for i in todo], [parents[i] or ZERO_KEY for i in todo],
+                         sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
     by_slab: dict[str, list[SlotRef]] = {}
-    for i, (slab, slot) in zip(idx, slots[lo:hi]):
+    for i, (slab, slot) in zip(todo, slots):
         by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
     for slab, refs in by_slab.items():
         published = []

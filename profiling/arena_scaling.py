@@ -50,13 +50,8 @@ def _timed(name: str, fn):
 
 
 def _instrument(pool: BlockPool, engine) -> None:
-    for name in ("checksums", "copy_from_host"):
+    for name in ("checksums", "copy_to_host", "copy_from_host"):
         setattr(engine, name, _timed(name, getattr(engine, name)))
-    start = engine.start_copy_to_host
-
-    def start_copy(pairs, pitch):  # queueing the copy and waiting for it, apart
-        return _timed("copy_to_host: wait", _timed("copy_to_host: queue", start)(pairs, pitch))
-    engine.start_copy_to_host = start_copy
     pool.publish_refs = _timed("publish_refs (ref file + link)", pool.publish_refs)
     pool.arena.published = _timed("arena.published", pool.arena.published)
     pool.arena.alloc = _timed("arena.alloc", pool.arena.alloc)
@@ -71,18 +66,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--dir", default="/dev/shm")
-    ap.add_argument("--pipeline-bytes", type=int, help="block_io.PIPELINE_BYTES for this run (a huge value: "
-                    "every save batch is one chunk, copied before anything is published)")
     a = ap.parse_args()
-    if a.pipeline_bytes:
-        block_io.PIPELINE_BYTES = a.pipeline_bytes
     size, n = parse_size(a.block), a.blocks
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name in ("clear_headers", "write_headers", "first_changed"):  # the C steps, as block_io calls them
         setattr(block_io.native, name, _timed(f"native.{name}", getattr(native, name)))
     block_io.pin_blocks = _timed("pin_blocks", block_io.pin_blocks)
-    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}, "
-          f"save chunks of {block_io.PIPELINE_BYTES} B")
+    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}")
     for threads in [int(t) for t in a.threads.split(",")]:
         root = tempfile.mkdtemp(prefix="gdskv-arena-scaling-", dir=a.dir)
         try:

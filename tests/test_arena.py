@@ -300,31 +300,3 @@ def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine)
     ok = [k for k in keys if k != failed]
     assert torch.equal(_load(pool, engine, ok), d[[0, 2]])
     pool.arena.close()
-
-
-def test_a_save_in_chunks_publishes_every_chunk_and_a_failed_copy_only_its_own(shm_root, engine, monkeypatch):
-    """Arena saves queue one chunk's copy before publishing the previous one (block_io.PIPELINE_BYTES)."""
-    from gds_kv_connector import block_io
-
-    monkeypatch.setattr(block_io, "PIPELINE_BYTES", 3 * PAYLOAD)  # 3 blocks a chunk: 10 blocks in 4 chunks
-    pool = _pool(shm_root, engine, 16, per_slab=16)
-    calls: list[int] = []
-    start = engine.start_copy_to_host
-
-    def second_chunk_fails(pairs, pitch):
-        calls.append(len(pairs))
-        if len(calls) == 2:
-            raise OSError(5, "copy engine fault")
-        return start(pairs, pitch)
-    monkeypatch.setattr(engine, "start_copy_to_host", second_chunk_fails)
-    keys, d = _keys(10, b"chunks"), _data(10, 21)
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 10, [d[i] for i in range(10)])
-    assert calls == [3, 3, 3, 1]
-    assert out.published == 7 and sorted(k for k, _ in out.failed) == sorted(keys[3:6])
-    assert {cause for _, cause in out.failed} == {"EIO"}
-    assert not any(os.path.exists(pool.path_for(k)) for k in keys[3:6])
-    u = pool.arena.usage()
-    assert u["used_slots"] == 7 and u["ready_slots"] == 9  # the failed chunk's slots are free again
-    ok = keys[:3] + keys[6:]
-    assert torch.equal(_load(pool, engine, ok), torch.cat([d[:3], d[6:]]))
-    pool.arena.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -59,15 +58,5 @@ class IoEngine(ABC):
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         """Copy from each host address into the view paired with it; returns when they are there."""
 
-    def start_copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> Callable[[], None]:
-        """:meth:`copy_to_host` that may return before the bytes are there: call the returned
-        function to wait for them.  Engines without asynchronous copies copy now."""
-        self.copy_to_host(pairs, pitch)
-        return _done
-
     def close(self) -> None:
         """Release threads and handles; outstanding calls must have returned."""
-
-
-def _done() -> None:
-    """The wait of a copy that has already happened."""

@@ -11,7 +11,7 @@ directions keep more than one DMA in flight.  CuPy is imported when the first co
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -40,14 +40,8 @@ class CudaHostDma:
             self._rt.hostUnregister(addr)
 
     def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
-        self.start(pairs, pitch, to_host)()
-
-    def start(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> Callable[[], None]:
-        """Queue the copies and return a function that waits for them.  A thread that queues the
-        next chunk before it waits for this one keeps the copy engines busy while it does the CPU
-        work between chunks (headers, links), instead of taking turns with it."""
         if not pairs:
-            return _done
+            return
         runs = coalesce([(addr, _device_ptr(view), view.nbytes) for addr, view in pairs], pitch)
         streams = self._streams()
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
@@ -65,17 +59,8 @@ class CudaHostDma:
                     self._rt.memcpy2DAsync(host, hpitch, dev, width, width, rows, kind, s)
                 else:
                     self._rt.memcpy2DAsync(dev, width, host, hpitch, width, rows, kind, s)
-            used = streams[:k]
-            if not used:
-                return _done
-            events = [self._cupy.cuda.Event(block=False, disable_timing=True) for _ in used]
-            for event, stream in zip(events, used):
-                event.record(stream)
-
-        def wait() -> None:
-            for event in events:
-                event.synchronize()
-        return wait
+            for stream in streams[:k]:
+                stream.synchronize()
 
     def _streams(self) -> list[Any]:
         streams = getattr(self._local, "streams", None)
@@ -123,7 +108,3 @@ def _device_ptr(view: torch.Tensor) -> int:
     if not view.is_contiguous():
         raise ValueError("block views must be contiguous")
     return view.data_ptr()
-
-
-def _done() -> None:
-    """The wait of a copy that queued nothing."""

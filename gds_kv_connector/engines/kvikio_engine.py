@@ -19,7 +19,7 @@ import logging
 import os
 import secrets
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -151,9 +151,6 @@ class KvikioEngine(IoEngine):
 
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         self._dma().copy(pairs, pitch, to_host=False)
-
-    def start_copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> Callable[[], None]:
-        return self._dma().start(pairs, pitch, to_host=True)
 
     def _dma(self) -> CudaHostDma:
         if self._host_dma is None:
