@@ -8,6 +8,9 @@ header write, reference file + links, bookkeeping, pins, header checks) is timed
 thread that ran it; the table gives each step's wall time per block, averaged over threads.  A step
 whose per-block time grows with T is where threads wait for each other: for the GIL if it is Python,
 for the copy engines if it is the DMA, for the kernel if it is link(2).
+
+``--ablate publish_refs,checksums,copy_to_host`` replaces those steps with no-ops (saves only: the
+pool is then not loadable), so the GB/s without a step bounds what making that step free would give.
 """
 
 from __future__ import annotations
@@ -59,6 +62,22 @@ def _instrument(pool: BlockPool, engine) -> None:
     pool.arena.touch = _timed("arena.touch", pool.arena.touch)
 
 
+_ABLATIONS = ("publish_refs", "checksums", "copy_to_host")
+
+
+def _ablate(pool: BlockPool, engine, steps: list[str]) -> None:
+    """No-op stand-ins with the real return shapes: every ref published, every sum 0, no bytes moved."""
+    for step in steps:
+        if step == "publish_refs":
+            pool.publish_refs = lambda slab, refs: [True] * len(refs)
+        elif step == "checksums":
+            engine.checksums = lambda views: [0] * len(views)
+        elif step == "copy_to_host":
+            engine.copy_to_host = lambda pairs, pitch: None
+        else:
+            raise SystemExit(f"--ablate: {step!r} is not one of {', '.join(_ABLATIONS)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--block", default="256KiB")
@@ -66,13 +85,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--ablate", default="", help=f"comma-separated steps made no-ops: {', '.join(_ABLATIONS)}")
     a = ap.parse_args()
+    ablate = [x for x in a.ablate.split(",") if x]
     size, n = parse_size(a.block), a.blocks
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name in ("clear_headers", "write_headers", "first_changed"):  # the C steps, as block_io calls them
         setattr(block_io.native, name, _timed(f"native.{name}", getattr(native, name)))
     block_io.pin_blocks = _timed("pin_blocks", block_io.pin_blocks)
-    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}")
+    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}"
+          + (f", no-op steps: {', '.join(ablate)} (saves only)" if ablate else ""))
     for threads in [int(t) for t in a.threads.split(",")]:
         root = tempfile.mkdtemp(prefix="gdskv-arena-scaling-", dir=a.dir)
         try:
@@ -83,6 +105,7 @@ def main() -> None:
             kv = torch.randint(0, 256, (threads * n, size), dtype=torch.uint8, device=device)
             views = [kv[i] for i in range(threads * n)]
             block_io.save_blocks(pool, engine, [os.urandom(32)], [ZERO_KEY], [views[0]])  # warm-up
+            _ablate(pool, engine, ablate)
             _instrument(pool, engine)
             keys = [hashlib.sha256(b"%d %d" % (threads, i)).digest() for i in range(threads * n)]
 
@@ -97,7 +120,7 @@ def main() -> None:
                         block_io.load_blocks(pool, engine, pins, vs, verify=True, retries=0,
                                              deadline=time.monotonic() + 60)
 
-            for direction in ("save", "load"):
+            for direction in ("save",) if ablate else ("save", "load"):
                 _acc.clear()
                 if direction == "load":
                     pool.arena.drop_caches()
