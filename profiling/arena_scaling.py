@@ -85,15 +85,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--switch-interval-us", type=float, help="sys.setswitchinterval for the run: how long a "
+                    "thread back from a GIL-free call may wait before it forces the holder to let go")
     ap.add_argument("--ablate", default="", help=f"comma-separated steps made no-ops: {', '.join(_ABLATIONS)}")
     a = ap.parse_args()
     ablate = [x for x in a.ablate.split(",") if x]
+    if a.switch_interval_us:
+        sys.setswitchinterval(a.switch_interval_us / 1e6)
     size, n = parse_size(a.block), a.blocks
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for name in ("clear_headers", "write_headers", "first_changed"):  # the C steps, as block_io calls them
         setattr(block_io.native, name, _timed(f"native.{name}", getattr(native, name)))
     block_io.pin_blocks = _timed("pin_blocks", block_io.pin_blocks)
-    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}"
+    print(f"{size} B blocks, {n} per thread, batches of {a.batch}, device {device}, native {native.BUILT}, "
+          f"switch interval {sys.getswitchinterval() * 1e6:.0f} us"
           + (f", no-op steps: {', '.join(ablate)} (saves only)" if ablate else ""))
     for threads in [int(t) for t in a.threads.split(",")]:
         root = tempfile.mkdtemp(prefix="gdskv-arena-scaling-", dir=a.dir)
