@@ -333,29 +333,59 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
  *
  * Publishes one arena reference file under every key of a save batch (pool.publish_refs): each
  * link is a system call, several microseconds in a sandboxed kernel, and the loop holds no GIL. */
-static PyObject *link_all(PyObject *self, PyObject *args) {
-    const char *src;
-    PyObject *dsts;
-    if (!PyArg_ParseTuple(args, "sO", &src, &dsts)) return NULL;
-    if (!PyList_Check(dsts)) {
-        PyErr_SetString(PyExc_TypeError, "dsts must be a list of str");
+/* link(2) of src under each key's name, "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for):
+ * the names are formatted here, not in Python, because a save batch links one per block. */
+static PyObject *link_keys(PyObject *self, PyObject *args) {
+    static const char HEX[] = "0123456789abcdef";
+    const char *src, *suffix;
+    PyObject *dirs, *keys;
+    if (!PyArg_ParseTuple(args, "sOOs", &src, &dirs, &keys, &suffix)) return NULL;
+    if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256 || !PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str, keys a list of bytes");
         return NULL;
     }
-    Py_ssize_t n = PyList_Size(dsts);
-    const char **paths = malloc((size_t)(n ? n : 1) * sizeof *paths);
+    const char *dir_of[256];
+    size_t dir_len[256], longest = 0, suffix_len = strlen(suffix);
+    for (int b = 0; b < 256; b++) { /* UTF-8 kept alive by the str objects in dirs */
+        Py_ssize_t len;
+        dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
+        if (!dir_of[b]) return NULL;
+        dir_len[b] = (size_t)len;
+        if (dir_len[b] > longest) longest = dir_len[b];
+    }
+    Py_ssize_t n = PyList_Size(keys);
+    const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
     int *errs = malloc((size_t)(n ? n : 1) * sizeof *errs);
+    char *path = malloc(longest + 2 + 2 * KEY + suffix_len);
     PyObject *out = NULL;
-    if (!paths || !errs) {
+    if (!key_at || !errs || !path) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* UTF-8 kept alive by the str objects in dsts */
-        paths[i] = PyUnicode_AsUTF8AndSize(PyList_GetItem(dsts, i), NULL);
-        if (!paths[i]) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GetItem(keys, i);
+        if (!PyBytes_Check(k) || PyBytes_Size(k) != KEY) {
+            PyErr_SetString(PyExc_TypeError, "keys must be 32-byte bytes");
+            goto done;
+        }
+        key_at[i] = (const unsigned char *)PyBytes_AsString(k);
     }
-    Py_INCREF(dsts); /* the list (and so its strings) outlives the loop even if another thread edits it */
+    Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
+    Py_INCREF(keys);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, paths[i], 0) ? errno : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *k = key_at[i];
+        char *p = path;
+        memcpy(p, dir_of[k[0]], dir_len[k[0]]);
+        p += dir_len[k[0]];
+        *p++ = '/';
+        for (int j = 0; j < KEY; j++) {
+            *p++ = HEX[k[j] >> 4];
+            *p++ = HEX[k[j] & 15];
+        }
+        memcpy(p, suffix, suffix_len + 1);
+        errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, path, 0) ? errno : 0;
+    }
     Py_END_ALLOW_THREADS
     out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
@@ -363,15 +393,17 @@ static PyObject *link_all(PyObject *self, PyObject *args) {
         if (!e) Py_CLEAR(out);
         else PyList_SetItem(out, i, e);
     }
-    Py_DECREF(dsts);
+    Py_DECREF(keys);
+    Py_DECREF(dirs);
 done:
-    free(paths);
+    free(key_at);
     free(errs);
+    free(path);
     return out;
 }
 
 static PyMethodDef methods[] = {
-    {"link_all", link_all, METH_VARARGS, "link_all(src, dsts) -> list[int]"},
+    {"link_keys", link_keys, METH_VARARGS, "link_keys(src, dirs, keys, suffix) -> list[int]"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
     {"write_headers", write_headers, METH_VARARGS,
      "write_headers(addrs, fingerprint, keys, parents, sums, payload_len, algo, tokens_per_block, created_ns)"},

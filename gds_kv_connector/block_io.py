@@ -51,7 +51,7 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     if pool.arena is not None:
         # Only the in-memory index, no stat per key: a key published meanwhile loses at link(2) and
         # is counted as already present, so the check costs no system call per block.
-        todo = [i for i, k in enumerate(keys) if not pool.indexed(k)]
+        todo = pool.not_indexed(keys)
     else:
         todo = [i for i, k in enumerate(keys) if not pool.contains(k)]
     out.already_present = len(keys) - len(todo)
@@ -125,16 +125,17 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     for i, (slab, slot) in zip(todo, slots):
         by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
     for slab, refs in by_slab.items():
-        published = []
-        for r, outcome in zip(refs, pool.publish_refs(slab, refs)):
-            if outcome is True:
-                published.append(r)
-                continue
-            arena.release(r.slab, r.slot)  # no name refers to it
-            if outcome is False:
-                out.already_present += 1
-            else:
-                out.failed.append((r.key, _cause(outcome)))
+        outcomes = pool.publish_refs(slab, refs)
+        published = [r for r, outcome in zip(refs, outcomes) if outcome is True]
+        if len(published) < len(refs):
+            for r, outcome in zip(refs, outcomes):
+                if outcome is True:
+                    continue
+                arena.release(r.slab, r.slot)  # no name refers to it
+                if outcome is False:
+                    out.already_present += 1
+                else:
+                    out.failed.append((r.key, _cause(outcome)))
         arena.published(published)
         out.published += len(published)
         out.bytes_written += len(published) * pool.payload_len

@@ -41,20 +41,22 @@ class FileOps:
     def link(self, src: str, dst: str) -> None:
         os.link(src, dst, follow_symlinks=False)
 
-    def link_all(self, src: str, dsts: list[str]) -> list[OSError | None]:
-        """Link ``src`` under every name in ``dsts``; the error per name, None where it was linked.
+    def link_keys(self, src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -> list[OSError | None]:
+        """Link ``src`` under each key's name ``f"{dirs[key[0]]}/{key.hex()}{suffix}"`` (256 dirs);
+        the error per key, None where it was linked.
 
         One C loop where the extension is built, unless a subclass overrides :meth:`link` (fault
         injection), which then sees every call."""
         if type(self).link is FileOps.link:
-            errnos = native.link_all(src, dsts)
+            errnos = native.link_keys(src, dirs, keys, suffix)
             if errnos is not None:
                 # shaped as os.link raises them (filename src, filename2 dst), as the loop below returns
-                return [None if e == 0 else OSError(e, os.strerror(e), src, None, d) for e, d in zip(errnos, dsts)]
+                return [None if e == 0 else OSError(e, os.strerror(e), src, None, f"{dirs[k[0]]}/{k.hex()}{suffix}")
+                        for e, k in zip(errnos, keys)]
         out: list[OSError | None] = []
-        for dst in dsts:
+        for k in keys:
             try:
-                self.link(src, dst)
+                self.link(src, f"{dirs[k[0]]}/{k.hex()}{suffix}")
                 out.append(None)
             except OSError as exc:
                 out.append(exc)

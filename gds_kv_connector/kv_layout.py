@@ -9,7 +9,7 @@ single pool tensor cannot describe is refused at start-up with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -32,16 +32,30 @@ class KvPool:
         return self.tensor.device
 
     _bytes: torch.Tensor = field(init=False, repr=False, compare=False)
+    _views: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # [num_blocks, block_bytes] uint8 view, made once: every transfer indexes it per block
         object.__setattr__(self, "_bytes", self.tensor.view(self.tensor.shape[0], -1).view(torch.uint8))
+        object.__setattr__(self, "_views", [None] * self.num_blocks)
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """The block's bytes as a contiguous uint8 vector (a view, no copy)."""
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block id {block_id} outside the pool's {self.num_blocks} blocks")
-        return self._bytes[block_id]
+        return self.block_views((block_id,))[0]
+
+    def block_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`block_view` of each id.  Each view is made on first use and kept (a list slot per
+        block, a tensor object per block used): making a view costs 1-2 us of GIL-held time, and
+        transfer threads would pay it for every block of every transfer."""
+        cache, out = self._views, []
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"block id {b} outside the pool's {self.num_blocks} blocks")
+            v = cache[b]
+            if v is None:
+                v = cache[b] = self._bytes[b]
+            out.append(v)
+        return out
 
 
 def pool_from_tensor(t: Any) -> KvPool:

@@ -34,12 +34,13 @@ def chain_keys(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tok
     return _lib.chain_keys(prev, tokens, start, tokens_per_block, num_blocks)
 
 
-def link_all(src: str, dsts: list[str]) -> list[int] | None:
-    """link(2) ``src`` to each of ``dsts`` (symbolic links never followed) in one C loop: errno per
-    name, 0 where linked; None where the extension is missing (FileOps.link_all then loops)."""
+def link_keys(src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -> list[int] | None:
+    """link(2) ``src`` under ``f"{dirs[key[0]]}/{key.hex()}{suffix}"`` for each key (symbolic links
+    never followed), the names formatted in C: errno per key, 0 where linked; None where the
+    extension is missing (FileOps.link_keys then loops)."""
     if _lib is None:
         return None
-    return _lib.link_all(src, dsts)
+    return _lib.link_keys(src, dirs, keys, suffix)
 
 
 def clear_headers(addrs: Sequence[int]) -> None:

@@ -126,10 +126,11 @@ class BlockPool:
         self._index[key] = now + self.index_ttl_s
         return True
 
-    def indexed(self, key: bytes) -> bool:
-        """True if this process saw the key published within index_ttl_s (no system call)."""
-        expires = self._index.get(key)
-        return expires is not None and expires > time.monotonic()
+    def not_indexed(self, keys: list[bytes]) -> list[int]:
+        """Positions of the keys this process did not see published within index_ttl_s (no system
+        call; one pass per save batch)."""
+        now, get = time.monotonic(), self._index.get
+        return [i for i, k in enumerate(keys) if get(k, 0.0) <= now]
 
     def count_present(self, keys: list[bytes], start: int = 0) -> int:
         """How many consecutive keys from ``start`` are in the pool.
@@ -288,25 +289,25 @@ class BlockPool:
                 out.extend(exc for _ in chunk)
                 continue
             try:
-                key_dirs = [self._key_dirs[ref.key[0]] for ref in chunk]
-                no_dir: dict[str, Exception] = {}
-                for d in set(key_dirs):
+                keys = [ref.key for ref in chunk]
+                no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
+                for b in {k[0] for k in keys}:
                     try:
-                        self._makedirs(d)
+                        self._makedirs(self._key_dirs[b])
                     except (OSError, PoolError) as exc:
-                        no_dir[d] = exc
-                errors = iter(self.ops.link_all(tmp, [self.path_for(ref.key) for ref, d in zip(chunk, key_dirs)
-                                                      if d not in no_dir]))
+                        no_dir[b] = exc
+                linked = iter(self.ops.link_keys(tmp, self._key_dirs,
+                                                 [k for k in keys if k[0] not in no_dir] if no_dir else keys,
+                                                 BLOCK_SUFFIX))
                 deadline = time.monotonic() + self.index_ttl_s
-                for ref, d in zip(chunk, key_dirs):
-                    failed = no_dir.get(d)
+                index, append = self._index, out.append
+                for k in keys:
+                    failed = no_dir[k[0]] if no_dir and k[0] in no_dir else next(linked)
                     if failed is None:
-                        failed = next(errors)
-                    if failed is None:
-                        self._index[ref.key] = deadline
-                        out.append(True)
+                        index[k] = deadline
+                        append(True)
                     else:
-                        out.append(False if isinstance(failed, FileExistsError) else failed)
+                        append(False if isinstance(failed, FileExistsError) else failed)
             finally:
                 self.discard_tmp(-1, tmp)
         return out

@@ -130,7 +130,7 @@ class TransferManager:
             try:
                 pins = pin_blocks(self.pool, list(op.keys))
                 try:
-                    views = [self.kv.block_view(b) for b in op.block_ids]
+                    views = self.kv.block_views(op.block_ids)
                     return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
                                        retries=self.settings.read_retries, deadline=deadline)
                 finally:
@@ -144,7 +144,7 @@ class TransferManager:
     def _run_save(self, op: SaveOp | _Merged, event: Any, deadline: float) -> SaveOutcome:
         with nvtx_range(f"io/save r{op.request_id} x{len(op.keys)}", "orange"):
             _wait_event(event)
-            views = [self.kv.block_view(b) for b in op.block_ids]
+            views = self.kv.block_views(op.block_ids)
             out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)
             if self._on_saved is not None and out.published:
                 self._on_saved(out.published * self.pool.file_size)

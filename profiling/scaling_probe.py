@@ -4,7 +4,7 @@
 
 Two of the steps an arena save makes per batch, each run alone from T Python threads:
 ``links``: each thread links one file under 4096 names spread over 256 directories, 256 names per
-``native.link_all`` call (the GIL released for the call), as ``pool.publish_refs`` does;
+``native.link_keys`` call (the GIL released for the call), as ``pool.publish_refs`` does;
 ``dma``: each thread copies batches of 256 blocks from a CUDA tensor into consecutive slots of a
 pinned host buffer through ``CudaHostDma.copy`` (2D copies split over its streams), as
 ``engine.copy_to_host`` does.  If either stops scaling by itself, arena_scaling.py's per-step growth
@@ -50,9 +50,9 @@ def links(root: str, threads: int) -> None:
     def work(t: int) -> None:
         src = os.path.join(root, f"src{t}")
         open(src, "wb").close()
-        names = [f"{dirs[i % 256]}/{t}-{i}" for i in range(_NAMES)]
+        keys = [bytes([i % 256, t]) + i.to_bytes(30, "little") for i in range(_NAMES)]
         for lo in range(0, _NAMES, _BATCH):
-            errs = native.link_all(src, names[lo:lo + _BATCH])
+            errs = native.link_keys(src, tuple(dirs), keys[lo:lo + _BATCH], ".blk")
             assert errs is not None and not any(errs), errs
     wall = _run(threads, work)
     n = threads * _NAMES

@@ -11,7 +11,7 @@ import torch
 from connector_helpers import SHAPE, make_executor, rand_tokens, serve
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.fileops import FileOps
-from gds_kv_connector.kv_layout import LayoutError
+from gds_kv_connector.kv_layout import LayoutError, pool_from_tensor
 from gds_kv_connector.metadata import GdsKvMetadata
 from gds_kv_connector.reference import ExecutorConfig, InvariantViolation, ReferenceExecutor, SimRequest, fake_llm_args
 
@@ -233,3 +233,16 @@ def test_register_kv_cache_layout(pool_env):
             GdsKvConnectorWorker(llm_args).register_kv_cache_layout(bad)
     with pytest.raises(LayoutError, match="contiguous"):
         GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((2, 8, 4, 64)).transpose(0, 1))
+
+
+def test_block_views_are_each_blocks_bytes_made_once():
+    t = torch.arange(6 * 2 * 2 * 8, dtype=torch.int16).reshape(6, 2, 2, 8)
+    kv = pool_from_tensor(t)
+    views = kv.block_views([4, 0, 4])
+    assert [v.numpy().tobytes() for v in views] == [t[b].numpy().tobytes() for b in (4, 0, 4)]
+    assert views[0] is views[2] is kv.block_view(4)  # kept, not made again
+    views[1][:] = 0  # a view, not a copy
+    assert not t[0].any()
+    for bad in (-1, 6):
+        with pytest.raises(IndexError, match="outside the pool's 6 blocks"):
+            kv.block_views([1, bad])

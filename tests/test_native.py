@@ -124,19 +124,40 @@ def test_a_reused_slot_is_told_apart_from_its_reference(native_impl):
     assert "payload_len" in native.check_headers(s.addrs, FP, keys, [50] * 3, 4096)[3]
 
 
-def test_link_all_reports_each_name(native_impl, tmp_path):
+def _key_dirs(root):
+    """256 directories as pool._key_dirs names them; only a few exist, so ENOENT can be tested."""
+    dirs = tuple(str(root / f"{b:02x}") for b in range(256))
+    for b in (0x00, 0x7f, 0xff):
+        os.mkdir(dirs[b])
+    return dirs
+
+
+def test_link_keys_reports_each_key(native_impl, tmp_path):
     src = tmp_path / "src"
     src.write_bytes(b"ref")
-    (tmp_path / "taken").write_bytes(b"other")
-    dsts = [str(tmp_path / "a"), str(tmp_path / "taken"), str(tmp_path / "nodir" / "b"), str(tmp_path / "c")]
-    errs = FileOps().link_all(str(src), dsts)
+    dirs = _key_dirs(tmp_path)
+    keys = [bytes([0x00]) + bytes(range(31)), bytes([0x7f]) * 32, bytes([0x10]) * 32, bytes([0xff]) + b"\xab" * 31]
+    names = [f"{dirs[k[0]]}/{k.hex()}.blk" for k in keys]
+    with open(names[1], "wb") as f:
+        f.write(b"other")
+    errs = FileOps().link_keys(str(src), dirs, keys, ".blk")
     assert [0 if e is None else e.errno for e in errs] == [0, errno.EEXIST, errno.ENOENT, 0]
-    assert [None if e is None else e.filename2 for e in errs] == [None, dsts[1], dsts[2], None]
-    assert os.stat(dsts[0]).st_ino == os.stat(dsts[3]).st_ino == os.stat(src).st_ino
-    assert (tmp_path / "taken").read_bytes() == b"other"
+    assert [None if e is None else e.filename2 for e in errs] == [None, names[1], names[2], None]
+    assert os.stat(names[0]).st_ino == os.stat(names[3]).st_ino == os.stat(src).st_ino
+    assert open(names[1], "rb").read() == b"other"
 
 
-def test_file_ops_link_all_goes_through_an_overridden_link(tmp_path):
+def test_link_keys_rejects_bad_arguments(tmp_path):
+    if not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    dirs = _key_dirs(tmp_path)
+    with pytest.raises(TypeError):
+        native.link_keys(str(tmp_path / "src"), dirs[:255], [bytes(32)], ".blk")
+    with pytest.raises(TypeError):
+        native.link_keys(str(tmp_path / "src"), dirs, [bytes(31)], ".blk")
+
+
+def test_file_ops_link_keys_goes_through_an_overridden_link(tmp_path):
     seen = []
 
     class Counting(FileOps):
@@ -146,8 +167,11 @@ def test_file_ops_link_all_goes_through_an_overridden_link(tmp_path):
 
     src = tmp_path / "src"
     src.write_bytes(b"ref")
-    errs = Counting().link_all(str(src), [str(tmp_path / "a"), str(tmp_path / "a")])
-    assert seen == [str(tmp_path / "a")] * 2
+    dirs = _key_dirs(tmp_path)
+    key, other = bytes([0x7f]) * 32, bytes(32)
+    name = f"{dirs[0x7f]}/{key.hex()}.blk"
+    errs = Counting().link_keys(str(src), dirs, [key, key], ".blk")
+    assert seen == [name] * 2
     assert errs[0] is None and isinstance(errs[1], FileExistsError)
-    errs = FileOps().link_all(str(src), [str(tmp_path / "b"), str(tmp_path / "a")])
-    assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename2 == str(tmp_path / "a")
+    errs = FileOps().link_keys(str(src), dirs, [other, key], ".blk")
+    assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename2 == name
