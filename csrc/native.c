@@ -329,12 +329,12 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(hit);
 }
 
-/* link_all(src, dsts) -> list of errno values, 0 where link(2) succeeded
+/* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
  *
- * Publishes one arena reference file under every key of a save batch (pool.publish_refs): each
- * link is a system call, several microseconds in a sandboxed kernel, and the loop holds no GIL. */
-/* link(2) of src under each key's name, "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for):
- * the names are formatted here, not in Python, because a save batch links one per block. */
+ * Publishes one arena reference file under every key of a save batch (pool.publish_refs), at
+ * "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for).  Each link is a system call, 1.7 us
+ * on the H200 host and more in a sandboxed kernel, and the loop holds no GIL; the names are
+ * formatted here too, so the transfer thread spends no GIL-held time per key on them. */
 static PyObject *link_keys(PyObject *self, PyObject *args) {
     static const char HEX[] = "0123456789abcdef";
     const char *src, *suffix;
