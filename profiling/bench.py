@@ -745,7 +745,8 @@ def connector_env(root: str, arena_bytes: int = 0):
     os.environ["TLLM_GDS_KV_ROOT"] = root
     if arena_bytes:
         os.environ["TLLM_GDS_KV_ARENA_BYTES"] = str(arena_bytes)
-    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_IO_THREADS"):  # the engine choice is the user's to force
+    # the engine and thread counts are the user's to force
+    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS"):
         if k in saved:
             os.environ[k] = saved[k]
     try:
