@@ -175,3 +175,60 @@ def test_file_ops_link_keys_goes_through_an_overridden_link(tmp_path):
     assert errs[0] is None and isinstance(errs[1], FileExistsError)
     errs = FileOps().link_keys(str(src), dirs, [other, key], ".blk")
     assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename2 == name
+
+
+def test_publish_ref_writes_links_and_removes_the_file(native_impl, tmp_path):
+    dirs = _key_dirs(tmp_path)
+    keys = [bytes([0x00]) * 32, bytes([0x7f]) * 32, bytes([0x10]) * 32, bytes([0xff]) * 32]
+    names = [f"{dirs[k[0]]}/{k.hex()}.ref" for k in keys]
+    with open(names[1], "wb") as f:
+        f.write(b"other")
+    tmp = str(tmp_path / "tmp-ref")
+    old = os.umask(0o022)
+    try:
+        errs = FileOps().publish_ref(tmp, b"reference bytes", 0o664, dirs, keys, ".ref")
+    finally:
+        os.umask(old)
+    assert [0 if e is None else e.errno for e in errs] == [0, errno.EEXIST, errno.ENOENT, 0]
+    assert [None if e is None else e.filename2 for e in errs] == [None, names[1], names[2], None]
+    assert not os.path.exists(tmp)
+    st = os.stat(names[0])
+    assert st.st_ino == os.stat(names[3]).st_ino and st.st_nlink == 2
+    assert st.st_mode & 0o777 == 0o664  # group write kept although the umask removes it
+    assert open(names[0], "rb").read() == b"reference bytes" and open(names[1], "rb").read() == b"other"
+
+
+def test_publish_ref_that_cannot_write_its_file_links_nothing(native_impl, tmp_path):
+    dirs = _key_dirs(tmp_path)
+    key = bytes([0x7f]) * 32
+    with pytest.raises(FileNotFoundError):
+        FileOps().publish_ref(str(tmp_path / "missing" / "tmp"), b"x", 0o600, dirs, [key], ".ref")
+    taken = tmp_path / "taken"
+    taken.write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError):  # O_EXCL: a name it did not create is neither used nor removed
+        FileOps().publish_ref(str(taken), b"x", 0o600, dirs, [key], ".ref")
+    assert taken.read_bytes() == b"someone else's"
+    assert not os.path.exists(f"{dirs[0x7f]}/{key.hex()}.ref")
+
+
+def test_publish_ref_goes_through_overridden_calls(tmp_path):
+    seen = []
+
+    class ShortWrites(FileOps):
+        def pwrite(self, fd, data, offset):
+            seen.append(offset)
+            return super().pwrite(fd, bytes(data)[:4], offset)
+
+    class FailingWrites(FileOps):
+        def pwrite(self, fd, data, offset):
+            raise OSError(errno.ENOSPC, "full")
+
+    dirs = _key_dirs(tmp_path)
+    key = bytes([0x7f]) * 32
+    assert ShortWrites().publish_ref(str(tmp_path / "t1"), b"0123456789", 0o600, dirs, [key], ".ref") == [None]
+    assert seen == [0, 4, 8] and open(f"{dirs[0x7f]}/{key.hex()}.ref", "rb").read() == b"0123456789"
+    with pytest.raises(OSError) as err:
+        FailingWrites().publish_ref(str(tmp_path / "t2"), b"x", 0o600, dirs, [bytes(32)], ".ref")
+    assert err.value.errno == errno.ENOSPC
+    assert not os.path.exists(tmp_path / "t2") and not os.path.exists(f"{dirs[0]}/{bytes(32).hex()}.ref")
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(d) for d in dirs if os.path.isdir(d))
