@@ -79,8 +79,10 @@ class FileOps:
                     raise OSError(failed, os.strerror(failed), tmp)
                 return [None if e == 0 else OSError(e, os.strerror(e), tmp, None, f"{dirs[k[0]]}/{k.hex()}{suffix}")
                         for e, k in zip(errnos, keys)]
-        # raises before the try below: a name this call did not create is never unlinked
-        fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        try:
+            fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+        except OSError:
+            raise  # not created here: never unlink a name someone else made
         try:
             try:
                 if mode & 0o077:  # the umask may have removed group or other bits
