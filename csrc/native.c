@@ -19,7 +19,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #define KEY 32
@@ -330,167 +329,81 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(hit);
 }
 
-/* Key names "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for) of a save batch, read while
- * holding the GIL and formatted and linked without it: a save batch links one name per block. */
-typedef struct {
-    const char *dir_of[256];
-    size_t dir_len[256];
-    const char *suffix;
-    size_t suffix_len;
-    Py_ssize_t n;
-    const unsigned char **key_at;
-    int *errs;
-    char *path;
-    PyObject *dirs, *keys; /* held until names_free: the strings and bytes above live in them */
-} Names;
-
-static void names_free(Names *nm) {
-    free(nm->key_at);
-    free(nm->errs);
-    free(nm->path);
-    Py_XDECREF(nm->dirs);
-    Py_XDECREF(nm->keys);
-}
-
-static int names_init(Names *nm, PyObject *dirs, PyObject *keys, const char *suffix) {
-    memset(nm, 0, sizeof *nm);
+/* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
+ *
+ * Publishes one arena reference file under every key of a save batch (pool.publish_refs), at
+ * "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for).  Each link is a system call, 1.7 us
+ * on the H200 host and more in a sandboxed kernel, and the loop holds no GIL; the names are
+ * formatted here too, so the transfer thread spends no GIL-held time per key on them. */
+static PyObject *link_keys(PyObject *self, PyObject *args) {
+    static const char HEX[] = "0123456789abcdef";
+    const char *src, *suffix;
+    PyObject *dirs, *keys;
+    if (!PyArg_ParseTuple(args, "sOOs", &src, &dirs, &keys, &suffix)) return NULL;
     if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256 || !PyList_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str, keys a list of bytes");
-        return -1;
+        return NULL;
     }
-    size_t longest = 0;
-    for (int b = 0; b < 256; b++) {
+    const char *dir_of[256];
+    size_t dir_len[256], longest = 0, suffix_len = strlen(suffix);
+    for (int b = 0; b < 256; b++) { /* UTF-8 kept alive by the str objects in dirs */
         Py_ssize_t len;
-        nm->dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
-        if (!nm->dir_of[b]) return -1;
-        nm->dir_len[b] = (size_t)len;
-        if (nm->dir_len[b] > longest) longest = nm->dir_len[b];
+        dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
+        if (!dir_of[b]) return NULL;
+        dir_len[b] = (size_t)len;
+        if (dir_len[b] > longest) longest = dir_len[b];
     }
-    nm->suffix = suffix;
-    nm->suffix_len = strlen(suffix);
-    nm->n = PyList_Size(keys);
-    nm->key_at = malloc((size_t)(nm->n ? nm->n : 1) * sizeof *nm->key_at);
-    nm->errs = malloc((size_t)(nm->n ? nm->n : 1) * sizeof *nm->errs);
-    nm->path = malloc(longest + 2 + 2 * KEY + nm->suffix_len);
-    if (!nm->key_at || !nm->errs || !nm->path) {
+    Py_ssize_t n = PyList_Size(keys);
+    const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
+    int *errs = malloc((size_t)(n ? n : 1) * sizeof *errs);
+    char *path = malloc(longest + 2 + 2 * KEY + suffix_len);
+    PyObject *out = NULL;
+    if (!key_at || !errs || !path) {
         PyErr_NoMemory();
-        return -1;
+        goto done;
     }
-    for (Py_ssize_t i = 0; i < nm->n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GetItem(keys, i);
         if (!PyBytes_Check(k) || PyBytes_Size(k) != KEY) {
             PyErr_SetString(PyExc_TypeError, "keys must be 32-byte bytes");
-            return -1;
+            goto done;
         }
-        nm->key_at[i] = (const unsigned char *)PyBytes_AsString(k);
+        key_at[i] = (const unsigned char *)PyBytes_AsString(k);
     }
-    Py_INCREF(dirs); /* both outlive the GIL-free loop even if another thread edits the list */
+    Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
     Py_INCREF(keys);
-    nm->dirs = dirs;
-    nm->keys = keys;
-    return 0;
-}
-
-static void link_names(Names *nm, const char *src) { /* GIL released */
-    static const char HEX[] = "0123456789abcdef";
-    for (Py_ssize_t i = 0; i < nm->n; i++) {
-        const unsigned char *k = nm->key_at[i];
-        char *p = nm->path;
-        memcpy(p, nm->dir_of[k[0]], nm->dir_len[k[0]]);
-        p += nm->dir_len[k[0]];
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *k = key_at[i];
+        char *p = path;
+        memcpy(p, dir_of[k[0]], dir_len[k[0]]);
+        p += dir_len[k[0]];
         *p++ = '/';
         for (int j = 0; j < KEY; j++) {
             *p++ = HEX[k[j] >> 4];
             *p++ = HEX[k[j] & 15];
         }
-        memcpy(p, nm->suffix, nm->suffix_len + 1);
-        nm->errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, nm->path, 0) ? errno : 0;
+        memcpy(p, suffix, suffix_len + 1);
+        errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, path, 0) ? errno : 0;
     }
-}
-
-static PyObject *errno_list(const Names *nm) {
-    PyObject *out = PyList_New(nm->n);
-    for (Py_ssize_t i = 0; out && i < nm->n; i++) {
-        PyObject *e = PyLong_FromLong(nm->errs[i]);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *e = PyLong_FromLong(errs[i]);
         if (!e) Py_CLEAR(out);
         else PyList_SetItem(out, i, e);
     }
-    return out;
-}
-
-/* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
- *
- * link(2) of src under every key's name.  Each link is a system call, 1.7 us on the H200 host and
- * more in a sandboxed kernel; none of it holds the GIL. */
-static PyObject *link_keys(PyObject *self, PyObject *args) {
-    const char *src, *suffix;
-    PyObject *dirs, *keys, *out = NULL;
-    Names nm;
-    if (!PyArg_ParseTuple(args, "sOOs", &src, &dirs, &keys, &suffix)) return NULL;
-    if (names_init(&nm, dirs, keys, suffix) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        link_names(&nm, src);
-        Py_END_ALLOW_THREADS
-        out = errno_list(&nm);
-    }
-    names_free(&nm);
-    return out;
-}
-
-/* publish_ref(tmp, data, mode, dirs, keys, suffix) -> (errno of the file, list of errno per key)
- *
- * pool.publish_refs in one GIL-free step: create tmp (O_EXCL, never following a symbolic link),
- * fchmod to mode when it grants group or other bits (the umask may have removed them), write data,
- * close, link it under every key's name, unlink tmp.  A nonzero first value says the file could
- * not be written (tmp is gone again, no key linked, the list is empty).  Five system calls a batch
- * that each released and retook the GIL in Python; with four transfer threads each retake was a
- * wait in line for it (profiling/results/h200-0c90256/). */
-static PyObject *publish_ref(PyObject *self, PyObject *args) {
-    const char *tmp, *suffix;
-    Py_buffer data;
-    int mode;
-    PyObject *dirs, *keys, *out = NULL;
-    Names nm;
-    if (!PyArg_ParseTuple(args, "sy*iOOs", &tmp, &data, &mode, &dirs, &keys, &suffix)) return NULL;
-    if (names_init(&nm, dirs, keys, suffix) == 0) {
-        int failed = 0;
-        Py_BEGIN_ALLOW_THREADS
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, (mode_t)mode);
-        if (fd < 0) {
-            failed = errno;
-        } else {
-            if ((mode & 077) && fchmod(fd, (mode_t)mode)) failed = errno;
-            const char *p = data.buf;
-            Py_ssize_t done = 0;
-            while (!failed && done < data.len) {
-                ssize_t w = pwrite(fd, p + done, (size_t)(data.len - done), (off_t)done);
-                if (w < 0 && errno == EINTR) continue;
-                if (w <= 0) failed = w < 0 ? errno : EIO;
-                else done += w;
-            }
-            if (close(fd) && !failed) failed = errno;
-            if (!failed) link_names(&nm, tmp);
-            unlink(tmp);
-        }
-        Py_END_ALLOW_THREADS
-        if (failed) {
-            out = Py_BuildValue("(i[])", failed);
-        } else {
-            PyObject *errs = errno_list(&nm);
-            if (errs) {
-                out = Py_BuildValue("(iN)", 0, errs);
-            }
-        }
-    }
-    names_free(&nm);
-    PyBuffer_Release(&data);
+    Py_DECREF(keys);
+    Py_DECREF(dirs);
+done:
+    free(key_at);
+    free(errs);
+    free(path);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"link_keys", link_keys, METH_VARARGS, "link_keys(src, dirs, keys, suffix) -> list[int]"},
-    {"publish_ref", publish_ref, METH_VARARGS,
-     "publish_ref(tmp, data, mode, dirs, keys, suffix) -> (int, list[int])"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
     {"write_headers", write_headers, METH_VARARGS,
      "write_headers(addrs, fingerprint, keys, parents, sums, payload_len, algo, tokens_per_block, created_ns)"},

@@ -62,41 +62,6 @@ class FileOps:
                 out.append(exc)
         return out
 
-    def publish_ref(self, tmp: str, data: bytes, mode: int, dirs: tuple[str, ...], keys: list[bytes],
-                    suffix: str) -> list[OSError | None]:
-        """Write ``data`` to a new file ``tmp`` (exactly ``mode``), link it under each key's name as
-        :meth:`link_keys` does, and remove ``tmp``; the link error per key.  Raises OSError, with
-        ``tmp`` removed and nothing linked, when the file cannot be written.
-
-        One GIL-free C call where the extension is built, unless a subclass overrides any of the
-        calls it makes (fault injection), which then sees each of them."""
-        if all(getattr(type(self), name) is getattr(FileOps, name)
-               for name in ("open", "fchmod", "pwrite", "close", "link", "unlink")):
-            done = native.publish_ref(tmp, data, mode, dirs, keys, suffix)
-            if done is not None:
-                failed, errnos = done
-                if failed:
-                    raise OSError(failed, os.strerror(failed), tmp)
-                return [None if e == 0 else OSError(e, os.strerror(e), tmp, None, f"{dirs[k[0]]}/{k.hex()}{suffix}")
-                        for e, k in zip(errnos, keys)]
-        try:
-            fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-        except OSError:
-            raise  # not created here: never unlink a name someone else made
-        try:
-            try:
-                if mode & 0o077:  # the umask may have removed group or other bits
-                    self.fchmod(fd, mode)
-                write_all(self, fd, data, 0)
-            finally:
-                self.close(fd)
-            return self.link_keys(tmp, dirs, keys, suffix)
-        finally:
-            try:
-                self.unlink(tmp)
-            except FileNotFoundError:
-                pass
-
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
 

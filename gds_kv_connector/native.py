@@ -43,17 +43,6 @@ def link_keys(src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -
     return _lib.link_keys(src, dirs, keys, suffix)
 
 
-def publish_ref(tmp: str, data: bytes, mode: int, dirs: tuple[str, ...], keys: list[bytes],
-                suffix: str) -> tuple[int, list[int]] | None:
-    """Create ``tmp`` (O_EXCL|O_NOFOLLOW, fchmod to ``mode`` when it has group/other bits), write
-    ``data``, close, link it under each key's name (as :func:`link_keys`), unlink ``tmp``: one C call
-    with the GIL released.  (errno of the file stage, 0 if written; errno per key, empty if the file
-    failed), or None where the extension is missing."""
-    if _lib is None:
-        return None
-    return _lib.publish_ref(tmp, data, mode, dirs, keys, suffix)
-
-
 def clear_headers(addrs: Sequence[int]) -> None:
     """Zero each slot's magic, so no reader accepts it while its payload is rewritten."""
     if _lib is not None:

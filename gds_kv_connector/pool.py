@@ -270,33 +270,46 @@ class BlockPool:
         out: list[bool | Exception] = []
         for lo in range(0, len(refs), MAX_REF_ENTRIES):
             chunk = refs[lo:lo + MAX_REF_ENTRIES]
-            keys = [ref.key for ref in chunk]
-            no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
+            fd, tmp = -1, ""
             try:
                 data = pack_refs(self.fingerprint, self.file_size, slab, chunk)
-                d = self.dir_for(keys[0])
+                d = self.dir_for(chunk[0].key)
                 self._makedirs(d)
+                tmp = os.path.join(d, f"{TMP_PREFIX}{chunk[0].key.hex()}-{_HOST}-{os.getpid()}-"
+                                      f"{secrets.token_hex(4)}")
+                fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                   self.file_mode)
+                if self.file_mode & 0o077:
+                    self.ops.fchmod(fd, self.file_mode)
+                write_all(self.ops, fd, data, 0)
+                self.ops.close(fd)
+                fd = -1
+            except (OSError, PoolError) as exc:
+                self.discard_tmp(fd, tmp)
+                out.extend(exc for _ in chunk)
+                continue
+            try:
+                keys = [ref.key for ref in chunk]
+                no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
                 for b in {k[0] for k in keys}:
                     try:
                         self._makedirs(self._key_dirs[b])
                     except (OSError, PoolError) as exc:
                         no_dir[b] = exc
-                tmp = os.path.join(d, f"{TMP_PREFIX}{keys[0].hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-                linked = iter(self.ops.publish_ref(tmp, data, self.file_mode, self._key_dirs,
-                                                   [k for k in keys if k[0] not in no_dir] if no_dir else keys,
-                                                   BLOCK_SUFFIX))
-            except (OSError, PoolError) as exc:
-                out.extend(exc for _ in chunk)
-                continue
-            deadline = time.monotonic() + self.index_ttl_s
-            index, append = self._index, out.append
-            for k in keys:
-                failed = no_dir[k[0]] if no_dir and k[0] in no_dir else next(linked)
-                if failed is None:
-                    index[k] = deadline
-                    append(True)
-                else:
-                    append(False if isinstance(failed, FileExistsError) else failed)
+                linked = iter(self.ops.link_keys(tmp, self._key_dirs,
+                                                 [k for k in keys if k[0] not in no_dir] if no_dir else keys,
+                                                 BLOCK_SUFFIX))
+                deadline = time.monotonic() + self.index_ttl_s
+                index, append = self._index, out.append
+                for k in keys:
+                    failed = no_dir[k[0]] if no_dir and k[0] in no_dir else next(linked)
+                    if failed is None:
+                        index[k] = deadline
+                        append(True)
+                    else:
+                        append(False if isinstance(failed, FileExistsError) else failed)
+            finally:
+                self.discard_tmp(-1, tmp)
         return out
 
     def read_header(self, pin: Pin) -> BlockHeader:
