@@ -51,12 +51,12 @@ class FileOps:
             errnos = native.link_keys(src, dirs, keys, suffix)
             if errnos is not None:
                 # shaped as os.link raises them (filename src, filename2 dst), as the loop below returns
-                return [None if e == 0 else OSError(e, os.strerror(e), src, None, f"{dirs[k[0]]}/{k.hex()}{suffix}")
+                return [None if e == 0 else OSError(e, os.strerror(e), src, None, key_name(dirs, k, suffix))
                         for e, k in zip(errnos, keys)]
         out: list[OSError | None] = []
         for k in keys:
             try:
-                self.link(src, f"{dirs[k[0]]}/{k.hex()}{suffix}")
+                self.link(src, key_name(dirs, k, suffix))
                 out.append(None)
             except OSError as exc:
                 out.append(exc)
@@ -73,6 +73,12 @@ class FileOps:
 
     def fchmod(self, fd: int, mode: int) -> None:
         os.fchmod(fd, mode)
+
+
+def key_name(dirs: tuple[str, ...], key: bytes, suffix: str) -> str:
+    """A key's file name: the directory its first byte selects, then its hex digits and the suffix;
+    the format pool.path_for (inlined there: it runs per block) and native.link_keys also build."""
+    return f"{dirs[key[0]]}/{key.hex()}{suffix}"
 
 
 def write_all(ops: FileOps, fd: int, data, offset: int) -> None:

@@ -32,7 +32,7 @@ class KvPool:
         return self.tensor.device
 
     _bytes: torch.Tensor = field(init=False, repr=False, compare=False)
-    _views: list = field(init=False, repr=False, compare=False)
+    _views: list[torch.Tensor | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # [num_blocks, block_bytes] uint8 view, made once: every transfer indexes it per block
