@@ -28,6 +28,7 @@ import fcntl
 import itertools
 import logging
 import mmap
+import operator
 import os
 import secrets
 import threading
@@ -51,6 +52,10 @@ SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
+# SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
+_SLAB_SLOT, _KEY_CREATED = operator.attrgetter("slab", "slot"), operator.attrgetter("key", "created_ns")
+_KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
+_SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
 _WHERE_CACHE = 1 << 20  # remembered key locations (about 200 bytes each)
 
@@ -100,7 +105,9 @@ class SlotArena:
         pool._makedirs(self.dir)
         self._lock = threading.Lock()
         self._slabs: dict[str, Slab] = {}
-        self._free: collections.deque[tuple[float, str, int]] = collections.deque()  # (ready at, slab, slot)
+        # Runs of free slots, (ready at, slab, first slot, count): a batch of 256 slots is taken in one
+        # or two steps instead of 256 deque pops on a transfer thread holding the GIL.
+        self._free: collections.deque[tuple[float, str, int, int]] = collections.deque()
         self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
@@ -176,7 +183,7 @@ class SlotArena:
         now = self.clock()
         with self._lock:
             self._slabs[name] = slab
-            self._free.extend((now, name, s) for s in range(nslots))
+            self._free.append((now, name, 0, nslots))
             self.owned_slots += nslots
         self.stats["slabs_created"] += 1
 
@@ -227,7 +234,7 @@ class SlotArena:
             for slot, ref in used:
                 self._used[(name, slot)] = (ref.key, ref.created_ns)
                 self.remember(ref)
-            self._free.extend((now, name, s) for s in free)
+            self._free.extend((now, name, first, count) for first, count in _runs(free))
             self.owned_slots += nslots
         self.stats["slabs_adopted"] += 1
         log.info("gds-kv arena: adopted slab %s of a finished owner (%d live blocks, %d free slots)",
@@ -320,11 +327,16 @@ class SlotArena:
             self.stats["alloc_short"] += n - len(out)
         return out
 
-    def _take_ready(self, n: int, out: list[tuple[str, int]]) -> None:
-        now = self.clock()
-        while len(out) < n and self._free and self._free[0][0] <= now:
-            _, name, slot = self._free.popleft()
-            out.append((name, slot))
+    def _take_ready(self, need: int, out: list[tuple[str, int]]) -> None:
+        """Append up to ``need`` ready slots to ``out``."""
+        now, free = self.clock(), self._free
+        while need > 0 and free and free[0][0] <= now:
+            ready, name, first, count = free.popleft()
+            take = min(count, need)
+            out.extend(zip(itertools.repeat(name, take), range(first, first + take)))
+            if take < count:
+                free.appendleft((ready, name, first + take, count - take))
+            need -= take
 
     def payload_addr(self, slab: str, slot: int) -> int:
         return self._slabs[slab].base + slot * self.slot_bytes + HEADER_SIZE
@@ -335,16 +347,14 @@ class SlotArena:
         return [slabs[name].base + slot * sb for name, slot in slots]
 
     def published(self, refs: list[SlotRef]) -> None:
-        with self._lock:
-            used = self._used
-            for ref in refs:
-                used[(ref.slab, ref.slot)] = (ref.key, ref.created_ns)
+        with self._lock:  # (slab, slot) -> (key, created_ns), built by C iterators, not a Python loop
+            self._used.update(zip(map(_SLAB_SLOT, refs), map(_KEY_CREATED, refs)))
         self.remember_all(refs)
 
     def release(self, slab: str, slot: int) -> None:
         """A slot that was never published (lost race, failed copy): free at once."""
         with self._lock:
-            self._free.appendleft((self.clock(), slab, slot))
+            self._free.appendleft((self.clock(), slab, slot, 1))
 
     def _reclaim(self, need: int) -> None:
         """Free slots whose reference is gone; if that is not enough, evict this owner's least
@@ -367,6 +377,7 @@ class SlotArena:
             self.stats["evicted"] += len(victims)
         ready = self.clock() + self.reuse_delay_s
         with self._lock:
+            by_slab: dict[str, list[int]] = {}
             for s in freed:
                 entry = self._used.pop(s, None)
                 if entry is None:
@@ -374,7 +385,9 @@ class SlotArena:
                 where = self._where.get(entry[0])
                 if where is not None and (where.slab, where.slot) == s:
                     del self._where[entry[0]]
-                self._free.append((ready, s[0], s[1]))
+                by_slab.setdefault(s[0], []).append(s[1])
+            for name, slots in by_slab.items():
+                self._free.extend((ready, name, first, count) for first, count in _runs(slots))
         self.stats["reclaimed"] += len(freed)
 
     # -- reading ----------------------------------------------------------------------------------
@@ -403,8 +416,7 @@ class SlotArena:
         if len(where) + len(refs) > _WHERE_CACHE:  # drop the oldest eighth; forgetting only costs a lookup
             for key in list(itertools.islice(where, max(_WHERE_CACHE // 8, len(refs)))):
                 where.pop(key, None)
-        for ref in refs:
-            where[ref.key] = ref
+        where.update(zip(map(_KEY, refs), refs))
 
     def forget(self, key: bytes) -> None:
         self._where.pop(key, None)
@@ -425,19 +437,27 @@ class SlotArena:
         addrs: list[int] = []
         err: Exception | None = None
         sb = self.slot_bytes
-        for ref in refs:
-            try:
-                slab = self._slab(ref.slab)
-            except (OSError, FormatError, ValueError) as exc:
-                err = exc
-                break
-            if not 0 <= ref.slot < slab.nslots:
-                err = FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
-                break
-            addrs.append(slab.base + ref.slot * sb)
+        names, slots = list(map(_SLAB, refs)), list(map(_SLOT, refs))
+        mapped_slabs = [self._slabs.get(name) for name in set(names)]
+        if refs and None not in mapped_slabs and 0 <= min(slots) and \
+                max(slots) < min(slab.nslots for slab in mapped_slabs):  # type: ignore[union-attr]
+            # the common batch: slabs mapped already, every slot inside them; no per-ref method calls
+            base = {slab.name: slab.base for slab in mapped_slabs}  # type: ignore[union-attr]
+            addrs = [base[name] + slot * sb for name, slot in zip(names, slots)]
+        else:
+            for ref in refs:
+                try:
+                    slab = self._slab(ref.slab)
+                except (OSError, FormatError, ValueError) as exc:
+                    err = exc
+                    break
+                if not 0 <= ref.slot < slab.nslots:
+                    err = FormatError(f"slot {ref.slot} outside slab {ref.slab} of {slab.nslots} slots")
+                    break
+                addrs.append(slab.base + ref.slot * sb)
         mapped = refs[:len(addrs)]
-        fields, sums, bad, why = native.check_headers(addrs, self.pool.fingerprint, [r.key for r in mapped],
-                                                      [r.created_ns for r in mapped], self.pool.payload_len)
+        fields, sums, bad, why = native.check_headers(addrs, self.pool.fingerprint, list(map(_KEY, mapped)),
+                                                      list(map(_CREATED, mapped)), self.pool.payload_len)
         if bad >= 0:
             return addrs[:bad], fields, sums, bad, FormatError(why)
         if err is not None:
@@ -447,15 +467,17 @@ class SlotArena:
     def touch(self, refs: list[SlotRef]) -> None:
         """Loaded from this owner's slots: they become the most recently used."""
         with self._lock:
-            for ref in refs:
-                k = (ref.slab, ref.slot)
-                if k in self._used:
-                    self._used.move_to_end(k)
+            used = self._used
+            for k in map(_SLAB_SLOT, refs):
+                if k in used:
+                    used.move_to_end(k)
 
     def usage(self) -> dict[str, int]:
         with self._lock:
-            ready = sum(1 for t, _, _ in self._free if t <= self.clock())
-            return {"owned_slots": self.owned_slots, "used_slots": len(self._used), "free_slots": len(self._free),
+            now = self.clock()
+            ready = sum(count for t, _, _, count in self._free if t <= now)
+            free = sum(count for _, _, _, count in self._free)
+            return {"owned_slots": self.owned_slots, "used_slots": len(self._used), "free_slots": free,
                     "ready_slots": ready, "mapped_slabs": len(self._slabs), **self.stats}
 
 
@@ -469,6 +491,17 @@ def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> Slot
     arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s)
     arena.start()
     return arena
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Slot numbers as (first, count) runs of consecutive numbers, in ascending order."""
+    out: list[list[int]] = []
+    for slot in sorted(slots):
+        if out and out[-1][0] + out[-1][1] == slot:
+            out[-1][1] += 1
+        else:
+            out.append([slot, 1])
+    return [(first, count) for first, count in out]
 
 
 def _unlink_quietly(path: str) -> None:

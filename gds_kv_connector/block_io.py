@@ -8,7 +8,9 @@ failure means (a dropped save is counted, a failed promised load is fatal).
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +25,7 @@ from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRe
 log = logging.getLogger(__name__)
 
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT}
+_FIRST, _SECOND, _SLAB = operator.itemgetter(0), operator.itemgetter(1), operator.attrgetter("slab")
 
 
 @dataclass
@@ -57,7 +60,7 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     out.already_present = len(keys) - len(todo)
     if not todo:
         return out
-    sums = engine.checksums([views[i] for i in todo])
+    sums = engine.checksums(views if len(todo) == len(keys) else [views[i] for i in todo])
     now = time.time_ns()
     if pool.arena is not None:
         slots = pool.arena.alloc(len(todo))
@@ -119,12 +122,15 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
             raise
         out.failed.extend((keys[i], _cause(exc)) for i in todo)
         return
-    native.write_headers(addrs, pool.fingerprint, [keys[i] for i in todo], [parents[i] or ZERO_KEY for i in todo],
+    todo_keys = keys if len(todo) == len(keys) else [keys[i] for i in todo]
+    native.write_headers(addrs, pool.fingerprint, todo_keys, [parents[i] or ZERO_KEY for i in todo],
                          sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
-    by_slab: dict[str, list[SlotRef]] = {}
-    for i, (slab, slot) in zip(todo, slots):
-        by_slab.setdefault(slab, []).append(SlotRef(keys[i], slab, slot, now))
-    for slab, refs in by_slab.items():
+    # SlotRefs made by C iterators (tuple.__new__ over zipped fields), grouped by slab in runs:
+    # a batch's slots nearly always come from one slab, and this is per-block GIL-held time.
+    refs_all = list(map(tuple.__new__, itertools.repeat(SlotRef),
+                        zip(todo_keys, map(_FIRST, slots), map(_SECOND, slots), itertools.repeat(now))))
+    by_slab = [(slab, list(group)) for slab, group in itertools.groupby(refs_all, _SLAB)]
+    for slab, refs in by_slab:
         outcomes = pool.publish_refs(slab, refs)
         published = [r for r, outcome in zip(refs, outcomes) if outcome is True]
         if len(published) < len(refs):
@@ -170,11 +176,14 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
     slot_pins = [n for n, pin in enumerate(pins) if pin.slot is not None]
     if slot_pins:
         addrs, fields, sums = _check_slots(pool, [pins[n] for n in slot_pins])
-        for n, csum in zip(slot_pins, sums):
-            expected[n] = csum
-    for n, pin in enumerate(pins):
-        if pin.slot is not None:
-            continue
+        if len(slot_pins) == len(pins):
+            expected = sums
+        else:
+            for n, csum in zip(slot_pins, sums):
+                expected[n] = csum
+    file_pins = [n for n, pin in enumerate(pins) if pin.slot is None]
+    for n in file_pins:
+        pin = pins[n]
         while True:
             try:
                 expected[n] = pool.read_header(pin).checksum
@@ -198,7 +207,7 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
             pool.arena.forget(pin.key)
             raise LoadFailure(pin.key, pin.path, "arena slot was reused while it was being loaded")
         pool.arena.touch([pins[n].slot for n in slot_pins])
-    pending = [i for i in range(len(pins)) if pins[i].slot is None]
+    pending = file_pins
     while pending:
         errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i]) for i in pending])
         failed = [(i, e) for i, e in zip(pending, errors) if e is not None]
@@ -215,6 +224,8 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
         pending = [i for i, _ in failed]
     if verify:
         sums = engine.checksums(views)
+        if sums == expected:  # one C comparison; the loop below only names the first mismatch
+            return len(pins) * pool.payload_len
         for pin, want, got in zip(pins, expected, sums):
             if got != want:
                 if pin.slot is not None:

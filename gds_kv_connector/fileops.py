@@ -50,6 +50,8 @@ class FileOps:
         if type(self).link is FileOps.link:
             errnos = native.link_keys(src, dirs, keys, suffix)
             if errnos is not None:
+                if not any(errnos):
+                    return [None] * len(keys)
                 # shaped as os.link raises them (filename src, filename2 dst), as the loop below returns
                 return [None if e == 0 else OSError(e, os.strerror(e), src, None, key_name(dirs, k, suffix))
                         for e, k in zip(errnos, keys)]

@@ -10,8 +10,10 @@ evicted or replaced meanwhile still reads as the bytes that were promised.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
+import operator
 import os
 import secrets
 import socket
@@ -38,6 +40,7 @@ BLOCK_SUFFIX = ".blk"
 STALE_FOREIGN_TMP_S = 3600.0
 KEY_LEN = 32
 _HOST = socket.gethostname().replace("-", "_")[:40] or "host"
+_REF_KEY = operator.attrgetter("key")
 
 
 @dataclass
@@ -289,17 +292,25 @@ class BlockPool:
                 out.extend(exc for _ in chunk)
                 continue
             try:
-                keys = [ref.key for ref in chunk]
+                keys = list(map(_REF_KEY, chunk))
                 no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
+                made = self._made_dirs
                 for b in {k[0] for k in keys}:
+                    if self._key_dirs[b] in made:
+                        continue
                     try:
                         self._makedirs(self._key_dirs[b])
                     except (OSError, PoolError) as exc:
                         no_dir[b] = exc
-                linked = iter(self.ops.link_keys(tmp, self._key_dirs,
-                                                 [k for k in keys if k[0] not in no_dir] if no_dir else keys,
-                                                 BLOCK_SUFFIX))
+                results = self.ops.link_keys(tmp, self._key_dirs,
+                                             [k for k in keys if k[0] not in no_dir] if no_dir else keys,
+                                             BLOCK_SUFFIX)
                 deadline = time.monotonic() + self.index_ttl_s
+                if not no_dir and not any(results):  # all linked: the common case, without a Python loop
+                    self._index.update(dict.fromkeys(keys, deadline))
+                    out.extend(itertools.repeat(True, len(keys)))
+                    continue
+                linked = iter(results)
                 index, append = self._index, out.append
                 for k in keys:
                     failed = no_dir[k[0]] if no_dir and k[0] in no_dir else next(linked)

@@ -8,6 +8,8 @@ against fixed bounds and the expected identity and raises :class:`FormatError` n
 
 from __future__ import annotations
 
+import itertools
+import operator
 import struct
 import zlib
 from dataclasses import dataclass
@@ -106,6 +108,7 @@ MAX_REF_ENTRIES = 1024
 SLAB_NAME_LEN = 64
 _REF_FIXED = struct.Struct("<8sII32sQ64sI")  # up to and excluding the CRC at offset 124
 _REF_ENTRY = struct.Struct("<32sIIQ")
+_ENTRY_KEY, _ENTRY_SLOT, _ENTRY_CREATED = (operator.attrgetter(f) for f in ("key", "slot", "created_ns"))
 _SLAB_NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -137,7 +140,8 @@ def pack_refs(fingerprint: bytes, slot_bytes: int, slab: str, entries: list[Slot
     """One reference file for a batch of blocks saved into one slab; hard-linked under every key."""
     if not 1 <= len(entries) <= MAX_REF_ENTRIES:
         raise ValueError(f"a reference file holds 1..{MAX_REF_ENTRIES} entries, not {len(entries)}")
-    body = b"".join(_REF_ENTRY.pack(e.key, e.slot, 0, e.created_ns) for e in entries)
+    body = b"".join(map(_REF_ENTRY.pack, map(_ENTRY_KEY, entries), map(_ENTRY_SLOT, entries), itertools.repeat(0),
+                        map(_ENTRY_CREATED, entries)))  # C iterators: this runs per saved block
     fixed = _REF_FIXED.pack(REF_MAGIC, REF_VERSION, len(entries), fingerprint, slot_bytes,
                             check_slab_name(slab).encode("ascii"), 0)
     return fixed + _CRC.pack(zlib.crc32(body, zlib.crc32(fixed))) + body

@@ -300,3 +300,65 @@ def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine)
     ok = [k for k in keys if k != failed]
     assert torch.equal(_load(pool, engine, ok), d[[0, 2]])
     pool.arena.close()
+
+
+def test_free_slots_are_taken_in_runs_and_come_back_in_runs(shm_root, engine):
+    now = [50.0]
+    a = _pool(shm_root, engine, 6, delay=2.0, clock=lambda: now[0], per_slab=4)  # slabs of 4 and 2 slots
+    first = a.arena.alloc(3)
+    assert len(first) == 3 and len({slab for slab, _ in first}) == 1
+    assert [slot for _, slot in first] == [0, 1, 2]
+    rest = a.arena.alloc(5)  # what is left: the first slab's last slot, then the second slab
+    assert len(rest) == 3 and set(first).isdisjoint(rest)
+    assert a.arena.usage()["alloc_short"] == 2 and a.arena.usage()["free_slots"] == 0
+    a.arena.release(*first[1])  # a slot never published: ready again at once, first in line
+    assert a.arena.alloc(1) == [first[1]]
+    for s in rest:
+        a.arena.release(*s)
+    got = a.arena.alloc(6)
+    assert sorted(got) == sorted(rest) and a.arena.usage()["free_slots"] == 0
+    a.arena.close()
+
+
+def test_second_alloc_pass_fills_the_whole_request(shm_root, engine):
+    # 4 slots ready, 4 published and evictable: a request for 6 takes the 4, then reclaims and takes 2 more
+    a = _pool(shm_root, engine, 8, per_slab=8)
+    keys, d = _keys(4), _data(4, 7)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
+    got = a.arena.alloc(6)
+    assert len(got) == 6 and len(set(got)) == 6
+    a.arena.close()
+
+
+def test_runs_groups_consecutive_slots():
+    assert arena_mod._runs([5, 1, 2, 3, 9, 8]) == [(1, 3), (5, 1), (8, 2)]
+    assert arena_mod._runs([]) == []
+
+
+def test_check_records_stops_at_a_slot_outside_its_slab_or_an_unknown_slab(shm_root, engine):
+    a = _pool(shm_root, engine, 4, per_slab=4)
+    keys, d = _keys(3), _data(3, 8)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+    good = [a.read_ref(k) for k in keys]
+    addrs, _, sums, bad, err = a.arena.check_records(good)
+    assert bad == -1 and err is None and len(addrs) == len(sums) == 3
+    outside = good[1]._replace(slot=4)
+    addrs, _, _, bad, err = a.arena.check_records([good[0], outside, good[2]])
+    assert bad == 1 and len(addrs) == 1 and isinstance(err, FormatError) and "outside slab" in str(err)
+    unknown = good[2]._replace(slab="nobody-1-000000000000.slab")
+    addrs, _, _, bad, err = a.arena.check_records([good[0], good[1], unknown])
+    assert bad == 2 and len(addrs) == 2 and isinstance(err, OSError)
+    a.arena.close()
+
+
+def test_coalesce_lists_matches_coalesce_on_runs_and_on_scattered_blocks():
+    from gds_kv_connector.engines.host_dma import coalesce_lists
+    w, slot = 8192, 8192 + 4096
+    one_run = ([10_000 + i * slot for i in range(5)], [(1 << 20) + i * w for i in range(5)], [w] * 5)
+    assert coalesce_lists(*one_run, slot) == [(10_000, 1 << 20, w, slot, 5)]
+    hosts, devs = [900_000, 10_000, 10_000 + slot, 50_000], [(1 << 20) + 9 * w, 1 << 20, (1 << 20) + w, 0]
+    assert coalesce_lists(hosts, devs, [w] * 4, slot) == coalesce(list(zip(hosts, devs, [w] * 4)), slot)
+    assert len(coalesce_lists(hosts, devs, [w] * 4, slot)) == 3
+    # equal strides but unequal widths are not one run
+    assert len(coalesce_lists([0, slot], [0, w], [w, w - 512], slot)) == 2
+    assert coalesce_lists([], [], [], slot) == []

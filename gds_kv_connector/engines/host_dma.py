@@ -10,6 +10,7 @@ directions keep more than one DMA in flight.  CuPy is imported when the first co
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -19,6 +20,8 @@ _STREAMS_PER_THREAD = 4
 _SPLIT_MIN_BYTES = 8 << 20  # a run below this is not worth splitting across streams
 _REGISTER_PORTABLE = 0x01
 _REGISTER_READ_ONLY = 0x08
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_NBYTES, _IS_CUDA = operator.attrgetter("nbytes"), operator.attrgetter("is_cuda")
 
 
 class CudaHostDma:
@@ -42,7 +45,8 @@ class CudaHostDma:
     def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
         if not pairs:
             return
-        runs = coalesce([(addr, _device_ptr(view), view.nbytes) for addr, view in pairs], pitch)
+        hosts, views = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+        runs = coalesce_lists(hosts, _device_ptrs(views), list(map(_NBYTES, views)), pitch)
         streams = self._streams()
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):
@@ -90,6 +94,19 @@ def coalesce(items: list[tuple[int, int, int]], pitch: int) -> list[tuple[int, i
     return [tuple(r) for r in runs]  # type: ignore[misc]
 
 
+def coalesce_lists(hosts: list[int], devs: list[int], widths: list[int], pitch: int) -> list[tuple[int, int, int, int, int]]:
+    """:func:`coalesce` of parallel lists, with the batch that is one run already (consecutive
+    KV blocks into consecutive slots) recognised by list comparisons in C instead of a loop."""
+    n = len(hosts)
+    if n == 0:
+        return []
+    w = widths[0]
+    if widths.count(w) == n and devs == list(range(devs[0], devs[0] + n * w, w)) and \
+            hosts == list(range(hosts[0], hosts[0] + n * pitch, pitch)):
+        return [(hosts[0], devs[0], w, max(pitch, w), n)]
+    return coalesce(list(zip(hosts, devs, widths)), pitch)
+
+
 def _split(runs: list[tuple[int, int, int, int, int]], parts: int) -> list[tuple[int, int, int, int, int]]:
     """Cut long runs into up to ``parts`` pieces so several streams share them."""
     out = []
@@ -102,9 +119,10 @@ def _split(runs: list[tuple[int, int, int, int, int]], parts: int) -> list[tuple
     return out
 
 
-def _device_ptr(view: torch.Tensor) -> int:
-    if not view.is_cuda:
-        raise ValueError(f"host DMA moves CUDA blocks only, not {view.device}")
-    if not view.is_contiguous():
+def _device_ptrs(views: list[torch.Tensor]) -> list[int]:
+    if not all(map(_IS_CUDA, views)):
+        bad = next(v for v in views if not v.is_cuda)
+        raise ValueError(f"host DMA moves CUDA blocks only, not {bad.device}")
+    if not all(map(torch.Tensor.is_contiguous, views)):
         raise ValueError("block views must be contiguous")
-    return view.data_ptr()
+    return list(map(torch.Tensor.data_ptr, views))
