@@ -108,3 +108,85 @@ def test_host_dma_round_trip_in_any_order(shm_root):
     torch.cuda.synchronize()
     assert torch.equal(back, kv)
     pool.arena.close()
+
+
+def _dma_pairs(pool, n, payload):
+    slots = pool.arena.alloc(n)
+    kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device="cuda")
+    order = torch.randperm(n).tolist()[: n // 2] + list(range(n // 2, n))  # scattered, then consecutive
+    return kv, [(pool.arena.payload_addr(*slots[j]), i) for j, i in enumerate(order)]
+
+
+@pytest.mark.parametrize("path", ["native", "cupy"])
+def test_host_dma_paths_move_the_same_bytes(shm_root, path):
+    """native.dma (one GIL release per batch) and the CuPy calls it replaces, both directions."""
+    from gds_kv_connector import native
+
+    payload, n = 96 << 10, 48
+    engine = make_engine("kvikio", torch.device("cuda"), 8)
+    dma = engine._dma()
+    if path == "native":
+        assert native.cuda_driver_error() is None and dma.native_unavailable is None
+    else:
+        dma.native_unavailable = "forced by the test"
+    pool = _arena_pool(shm_root, engine, payload, 64)
+    kv, pairs = _dma_pairs(pool, n, payload)
+    torch.cuda.synchronize()
+    dma.copy([(a, kv[i]) for a, i in pairs], pool.file_size, to_host=True)
+    back = torch.zeros_like(kv)
+    dma.copy([(a, back[i]) for a, i in pairs], pool.file_size, to_host=False)
+    torch.cuda.synchronize()
+    assert torch.equal(back, kv)
+    pool.arena.close()
+
+
+_BAD_ADDRESS = """
+import sys, torch
+from array import array
+from gds_kv_connector import native
+from gds_kv_connector.engines.host_dma import CudaHostDma
+dma = CudaHostDma(torch.device("cuda"))
+assert dma.native_unavailable is None, dma.native_unavailable
+stream = dma._streams()[0].ptr
+host = torch.zeros(1 << 16, dtype=torch.uint8).pin_memory()
+try:
+    native.dma(array("Q", [host.data_ptr(), 16, 4096, 4096, 1, stream]), array("Q", [stream]), True, 0)
+    sys.exit("no error for device address 16")
+except RuntimeError as exc:
+    print("raised:", exc)
+kv = torch.randint(0, 256, (4096,), dtype=torch.uint8, device="cuda")
+dma.copy([(host.data_ptr(), kv)], 4096, to_host=True)
+torch.cuda.synchronize()
+assert torch.equal(host[:4096].cuda(), kv), "a copy after the error moved wrong bytes"
+print("ok")
+"""
+
+
+def test_native_dma_reports_a_bad_address_and_keeps_working():
+    """In a child process: were the error sticky it would poison every later test's context."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _BAD_ADDRESS], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    assert "cuMemcpy2DAsync failed: CUDA error" in r.stdout
+
+
+def test_checksummed_copy_returns_the_checksums_of_what_it_copied(shm_root):
+    from gds_kv_connector.checksum import checksum_bytes
+
+    payload, n = 256 << 10, 40
+    engine = make_engine("kvikio", torch.device("cuda"), 8)
+    pool = _arena_pool(shm_root, engine, payload, 64)
+    kv, pairs = _dma_pairs(pool, n, payload)
+    torch.cuda.synchronize()
+    sums = engine.copy_to_host_checksummed([(a, kv[i]) for a, i in pairs], pool.file_size)
+    assert sums == engine.checksums([kv[i] for _, i in pairs])
+    assert sums == [checksum_bytes(kv[i].cpu().numpy()) for _, i in pairs]
+    back = torch.zeros_like(kv)
+    engine.copy_from_host([(a, back[i]) for a, i in pairs], pool.file_size)
+    torch.cuda.synchronize()
+    assert torch.equal(back, kv)
+    pool.arena.close()
