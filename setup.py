@@ -7,7 +7,7 @@ it and runs the same loops in Python (gds_kv_connector/native.py says which is i
 from setuptools import Extension, setup
 
 setup(
-    ext_modules=[Extension("gds_kv_connector._native", ["csrc/native.c"], libraries=["crypto", "dl"],
+    ext_modules=[Extension("gds_kv_connector._native", ["csrc/native.c"], libraries=["crypto"],
                            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
                            py_limited_api=True, optional=True)],
     options={"bdist_wheel": {"py_limited_api": "cp311"}},

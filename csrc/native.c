@@ -7,17 +7,14 @@
  * docs/format.md and pool_format.py; the tests check every function against the Python code.
  *
  * Built against the stable ABI (abi3, Python >= 3.11) and OpenSSL's SHA-256 (libcrypto); optional:
- * gds_kv_connector.native falls back to the Python code where it was not built.  The CUDA driver
- * (libcuda.so.1) is opened at the first `dma` call, never linked, so the module loads without a GPU.
+ * gds_kv_connector.native falls back to the Python code where it was not built.
  */
 #define Py_LIMITED_API 0x030B0000 /* Py_buffer joined the stable ABI in 3.11 */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED /* SHA256_Init/Update/Final: no context allocation per block */
 #include <Python.h>
 #include <openssl/sha.h>
-#include <dlfcn.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -405,164 +402,6 @@ done:
     return out;
 }
 
-/* ---- arena DMA through the CUDA driver API ------------------------------------------------------
- *
- * A save or load batch is a few strided copies on a few streams and a wait for each stream.  Issued
- * from Python (CuPy) each call releases and retakes the GIL, and with four transfer threads every
- * retake waits behind another thread's Python: at 256 KiB blocks those waits, not the DMA, bounded
- * the arena (profiling/results/h200-0c90256).  Here the whole batch is one GIL release.  The
- * struct and enum values below are the driver's ABI (cuda.h, CUDA_MEMCPY2D_v2), declared here so
- * the module builds without the CUDA headers. */
-typedef int CUresult;
-typedef struct {
-    size_t srcXInBytes, srcY;
-    int srcMemoryType;
-    const void *srcHost;
-    unsigned long long srcDevice;
-    void *srcArray;
-    size_t srcPitch;
-    size_t dstXInBytes, dstY;
-    int dstMemoryType;
-    void *dstHost;
-    unsigned long long dstDevice;
-    void *dstArray;
-    size_t dstPitch;
-    size_t WidthInBytes, Height;
-} Memcpy2D;
-#define CU_MEMORYTYPE_HOST 1
-#define CU_MEMORYTYPE_DEVICE 2
-
-static struct {
-    int state; /* 0: not tried, 1: loaded, -1: unavailable (why in cu_why) */
-    CUresult (*memcpy2d)(const Memcpy2D *, void *);
-    CUresult (*sync)(void *);
-    CUresult (*ctx_get)(void **);
-    CUresult (*ctx_set)(void *);
-    CUresult (*dev_get)(int *, int);
-    CUresult (*primary_retain)(void **, int);
-    CUresult (*error_string)(CUresult, const char **);
-} cu;
-static char cu_why[256];
-
-/* Called with the GIL held, so the first use is not raced. */
-static int cu_load(void) {
-    if (cu.state) return cu.state > 0;
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        snprintf(cu_why, sizeof cu_why, "%s", dlerror());
-        cu.state = -1;
-        return 0;
-    }
-    const char *names[] = {"cuMemcpy2DAsync_v2", "cuStreamSynchronize", "cuCtxGetCurrent", "cuCtxSetCurrent",
-                           "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuGetErrorString"};
-    void **slots[] = {(void **)&cu.memcpy2d, (void **)&cu.sync, (void **)&cu.ctx_get, (void **)&cu.ctx_set,
-                      (void **)&cu.dev_get, (void **)&cu.primary_retain, (void **)&cu.error_string};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        *slots[i] = dlsym(h, names[i]);
-        if (!*slots[i]) {
-            snprintf(cu_why, sizeof cu_why, "libcuda.so.1 has no %s", names[i]);
-            cu.state = -1;
-            return 0;
-        }
-    }
-    cu.state = 1;
-    return 1;
-}
-
-/* cuda_driver() -> None if the driver API is usable, else why not. */
-static PyObject *cuda_driver(PyObject *self, PyObject *unused) {
-    if (cu_load()) Py_RETURN_NONE;
-    return PyUnicode_FromString(cu_why);
-}
-
-/* dma(runs, syncs, to_host, device)
- *
- * runs: uint64 array of 6-tuples (host, dev, width, host_pitch, rows, stream): `rows` rows of
- * `width` bytes, consecutive on the device, `host_pitch` apart on the host (registered memory).
- * All are queued, then every stream in `syncs` is waited for: also after a failed queueing, so no
- * copy is still running when the caller frees or reuses its slots.  The calling thread gets the
- * device's primary context (the CUDA runtime's) if it has none current. */
-static PyObject *dma(PyObject *self, PyObject *args) {
-    PyObject *runs_obj, *syncs_obj;
-    int to_host, device;
-    if (!PyArg_ParseTuple(args, "OOpi", &runs_obj, &syncs_obj, &to_host, &device)) return NULL;
-    Py_buffer runs, syncs;
-    Py_ssize_t nr, ns;
-    if (get_addrs(runs_obj, &runs, &nr) < 0) return NULL;
-    if (get_addrs(syncs_obj, &syncs, &ns) < 0) {
-        PyBuffer_Release(&runs);
-        return NULL;
-    }
-    if (nr % 6) {
-        PyBuffer_Release(&runs);
-        PyBuffer_Release(&syncs);
-        PyErr_SetString(PyExc_ValueError, "runs holds (host, dev, width, host_pitch, rows, stream) 6-tuples");
-        return NULL;
-    }
-    if (!cu_load()) {
-        PyBuffer_Release(&runs);
-        PyBuffer_Release(&syncs);
-        PyErr_Format(PyExc_RuntimeError, "the CUDA driver API is not usable: %s", cu_why);
-        return NULL;
-    }
-    const uint64_t *r = runs.buf, *sy = syncs.buf;
-    CUresult rc = 0;
-    const char *what = "";
-    Py_BEGIN_ALLOW_THREADS
-    void *ctx = NULL;
-    rc = cu.ctx_get(&ctx);
-    if (!rc && !ctx) {
-        int dev = 0;
-        what = "making the device's primary context current";
-        rc = cu.dev_get(&dev, device);
-        if (!rc) rc = cu.primary_retain(&ctx, dev);
-        if (!rc) rc = cu.ctx_set(ctx);
-    } else if (rc) {
-        what = "cuCtxGetCurrent";
-    }
-    for (Py_ssize_t i = 0; !rc && i < nr / 6; i++) {
-        const uint64_t *t = r + 6 * i;
-        Memcpy2D m;
-        memset(&m, 0, sizeof m);
-        if (to_host) {
-            m.srcMemoryType = CU_MEMORYTYPE_DEVICE;
-            m.srcDevice = t[1];
-            m.srcPitch = t[2];
-            m.dstMemoryType = CU_MEMORYTYPE_HOST;
-            m.dstHost = (void *)(uintptr_t)t[0];
-            m.dstPitch = t[3];
-        } else {
-            m.srcMemoryType = CU_MEMORYTYPE_HOST;
-            m.srcHost = (const void *)(uintptr_t)t[0];
-            m.srcPitch = t[3];
-            m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-            m.dstDevice = t[1];
-            m.dstPitch = t[2];
-        }
-        m.WidthInBytes = t[2];
-        m.Height = t[4];
-        rc = cu.memcpy2d(&m, (void *)(uintptr_t)t[5]);
-        if (rc) what = "cuMemcpy2DAsync";
-    }
-    for (Py_ssize_t j = 0; j < ns; j++) {
-        CUresult s = cu.sync((void *)(uintptr_t)sy[j]);
-        if (s && !rc) {
-            rc = s;
-            what = "cuStreamSynchronize";
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&runs);
-    PyBuffer_Release(&syncs);
-    if (rc) {
-        const char *msg = NULL;
-        if (cu.error_string(rc, &msg)) msg = NULL;
-        PyErr_Format(PyExc_RuntimeError, "%s failed: CUDA error %d (%s)", what, rc, msg ? msg : "unknown");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"link_keys", link_keys, METH_VARARGS, "link_keys(src, dirs, keys, suffix) -> list[int]"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
@@ -572,8 +411,6 @@ static PyMethodDef methods[] = {
     {"check_headers", check_headers, METH_VARARGS,
      "check_headers(addrs, fingerprint, keys, created, payload_len) -> (fields, sums, bad, reason)"},
     {"first_changed", first_changed, METH_VARARGS, "first_changed(addrs, fields) -> int"},
-    {"cuda_driver", cuda_driver, METH_NOARGS, "cuda_driver() -> None, or why the CUDA driver API is not usable"},
-    {"dma", dma, METH_VARARGS, "dma(runs, syncs, to_host, device)"},
     {NULL, NULL, 0, NULL},
 };
 

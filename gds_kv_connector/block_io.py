@@ -60,16 +60,17 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     out.already_present = len(keys) - len(todo)
     if not todo:
         return out
+    sums = engine.checksums(views if len(todo) == len(keys) else [views[i] for i in todo])
     now = time.time_ns()
     if pool.arena is not None:
         slots = pool.arena.alloc(len(todo))
         if slots:
-            _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], slots, now, out)
-            todo = todo[len(slots):]
+            _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots, now,
+                           out)
+            todo, sums = todo[len(slots):], sums[len(slots):]
             if not todo:
                 return out
         out.arena_fallback = len(todo)
-    sums = engine.checksums([views[i] for i in todo])
     opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
     try:
         for i, csum in zip(todo, sums):
@@ -105,17 +106,15 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
 
 
 def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
-                   views: list[torch.Tensor], todo: list[int], slots: list[tuple[str, int]],
+                   views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
                    now: int, out: SaveOutcome) -> None:
-    """Headers cleared, payloads copied and checksummed, headers written, then one reference file
-    per slab."""
+    """Headers cleared, payloads copied, headers written, then one reference file per slab."""
     arena = pool.arena
     assert arena is not None
     addrs = arena.slot_addrs(slots)
     try:
         native.clear_headers(addrs)
-        sums = engine.copy_to_host_checksummed([(a + HEADER_SIZE, views[i]) for i, a in zip(todo, addrs)],
-                                               arena.slot_bytes)
+        engine.copy_to_host([(a + HEADER_SIZE, views[i]) for i, a in zip(todo, addrs)], arena.slot_bytes)
     except BaseException as exc:
         for slab, slot in slots:
             arena.release(slab, slot)

@@ -122,45 +122,6 @@ def _staging(device: int, n: int) -> _Staging:
 def _launch(device: int, length: int, pointers: list[int], stream: torch.cuda.Stream | None) -> list[int]:
     import cupy
 
-    cp_stream, st, n_blocks, _partials = _queue(device, length, pointers, stream)
-    with cupy.cuda.Device(device):
-        cp_stream.synchronize()  # this stream only; the sums are in host memory then
-    return st.sums[:n_blocks].tolist()
-
-
-@dataclass
-class PendingChecksums:
-    """Checksums queued on ``stream`` (a CUDA stream handle) by :func:`checksums_queued`."""
-
-    stream: int
-    _staging: _Staging
-    _n: int
-    _partials: Any  # per-chunk sums in device memory, kept until the kernels are done
-
-    def sums(self) -> list[int]:
-        """The checksums; only after ``stream`` was waited for (they are written by the kernel)."""
-        return self._staging.sums[:self._n].tolist()
-
-
-def checksums_queued(views: list[torch.Tensor]) -> PendingChecksums | None:
-    """Queue the checksums of a batch of equal contiguous CUDA views on this thread's checksum
-    stream without waiting, so they run while the same blocks are copied (a save batch waits for
-    both in one call); None for a batch of mixed sizes or devices (use :func:`checksums_device`).
-    The next checksum call on this thread reuses the staging memory: read the sums before it."""
-    if not views:
-        return None
-    first = views[0]
-    length, device = first.nbytes, first.get_device()
-    if device < 0 or not all(v.nbytes == length and v.get_device() == device and v.is_contiguous() for v in views):
-        return None
-    cp_stream, st, n, partials = _queue(device, length, [v.data_ptr() for v in views], None)
-    return PendingChecksums(cp_stream.ptr, st, n, partials)
-
-
-def _queue(device: int, length: int, pointers: list[int],
-           stream: torch.cuda.Stream | None) -> tuple[Any, _Staging, int, Any]:
-    import cupy
-
     kernels = _kernels(device)
     n_blocks = len(pointers)
     chunks = _chunks_per_block(n_blocks, length, kernels.sm_count)
@@ -171,7 +132,6 @@ def _queue(device: int, length: int, pointers: list[int],
         cp_stream = (_own_stream(device) if stream is None
                      else cupy.cuda.ExternalStream(stream.cuda_stream, device))
         with cp_stream:
-            partials = None
             if chunks == 1:
                 kernels.partial((n_blocks, 1), (_THREADS,), (bases, np.uint64(length), sums))
             else:
@@ -179,7 +139,8 @@ def _queue(device: int, length: int, pointers: list[int],
                 kernels.partial((n_blocks, chunks), (_THREADS,), (bases, np.uint64(length), partials))
                 kernels.finish((-(-n_blocks // _FINISH_THREADS),), (_FINISH_THREADS,),
                                (partials, np.uint32(chunks), np.uint32(n_blocks), np.uint64(length), sums))
-    return cp_stream, st, n_blocks, partials
+        cp_stream.synchronize()  # this stream only; the sums are in host memory then
+    return st.sums[:n_blocks].tolist()
 
 
 def checksums_device(views: list[torch.Tensor], stream: torch.cuda.Stream | None = None) -> list[int]:

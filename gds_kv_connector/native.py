@@ -43,23 +43,6 @@ def link_keys(src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -
     return _lib.link_keys(src, dirs, keys, suffix)
 
 
-def cuda_driver_error() -> str | None:
-    """None where :func:`dma` can run (the extension is built and libcuda.so.1 loads), else why not."""
-    if _lib is None:
-        return "the C extension gds_kv_connector._native is not built"
-    return _lib.cuda_driver()
-
-
-def dma(runs: array, syncs: array, to_host: bool, device: int) -> None:
-    """Queue strided copies between registered host memory and the GPU, then wait for ``syncs``,
-    all in one GIL release (csrc/native.c).  ``runs`` holds uint64 6-tuples (host address, device
-    address, width, host pitch, rows, stream); raises RuntimeError with the CUDA error.  Only where
-    :func:`cuda_driver_error` is None."""
-    if _lib is None:
-        raise RuntimeError(cuda_driver_error())
-    _lib.dma(runs, syncs, to_host, device)
-
-
 def clear_headers(addrs: Sequence[int]) -> None:
     """Zero each slot's magic, so no reader accepts it while its payload is rewritten."""
     if _lib is not None:

@@ -175,38 +175,3 @@ def test_file_ops_link_keys_goes_through_an_overridden_link(tmp_path):
     assert errs[0] is None and isinstance(errs[1], FileExistsError)
     errs = FileOps().link_keys(str(src), dirs, [other, key], ".blk")
     assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename2 == name
-
-
-def _libcuda_loads() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not native.BUILT, reason="the C extension is not built")
-def test_dma_checks_its_arguments_before_touching_cuda():
-    from array import array
-
-    with pytest.raises(ValueError, match="6-tuples"):
-        native.dma(array("Q", [1, 2, 3]), array("Q"), True, 0)
-    with pytest.raises(ValueError, match="uint64"):
-        native.dma(b"\x00" * 7, array("Q"), True, 0)
-
-
-@pytest.mark.skipif(not native.BUILT or _libcuda_loads(), reason="needs the extension and no CUDA driver")
-def test_dma_without_a_cuda_driver_says_why_instead_of_crashing():
-    from array import array
-
-    why = native.cuda_driver_error()
-    assert why and "libcuda.so.1" in why
-    with pytest.raises(RuntimeError, match="CUDA driver API is not usable.*libcuda"):
-        native.dma(array("Q", [0] * 6), array("Q"), True, 0)
-
-
-def test_cuda_driver_error_names_a_missing_extension(monkeypatch):
-    monkeypatch.setattr(native, "_lib", None)
-    assert "not built" in native.cuda_driver_error()
-    with pytest.raises(RuntimeError, match="not built"):
-        native.dma(None, None, True, 0)

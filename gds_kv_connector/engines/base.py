@@ -54,12 +54,6 @@ class IoEngine(ABC):
         """Copy each view to the host address paired with it; returns when the bytes are there.
         Host addresses ``pitch`` apart (consecutive slots) may be moved as one strided copy."""
 
-    def copy_to_host_checksummed(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> list[int]:
-        """:meth:`copy_to_host` and the views' :meth:`checksums`; an engine may run the two at once."""
-        sums = self.checksums([view for _, view in pairs])
-        self.copy_to_host(pairs, pitch)
-        return sums
-
     @abstractmethod
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         """Copy from each host address into the view paired with it; returns when they are there."""

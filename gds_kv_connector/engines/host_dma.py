@@ -5,21 +5,16 @@ consecutive slots: the common case for one request's prefix) becomes one ``cudaM
 whose rows are the payloads and whose pitches skip the 4 KiB slot headers.  On the H200 host
 that moved 256 KiB blocks at 55 GB/s against 34-37 GB/s with one copy call per block
 (profiling/results/shm-probe/).  Runs are split over a few streams per thread so both
-directions keep more than one DMA in flight.  Where the C extension and the CUDA driver are
-there, a batch's copies and stream waits are one call into C (native.dma): one GIL release per
-batch instead of one per copy and per wait.  CuPy is imported when the first copy is made.
+directions keep more than one DMA in flight.  CuPy is imported when the first copy is made.
 """
 
 from __future__ import annotations
 
 import operator
 import threading
-from array import array
 from typing import Any
 
 import torch
-
-from .. import native
 
 _STREAMS_PER_THREAD = 4
 _SPLIT_MIN_BYTES = 8 << 20  # a run below this is not worth splitting across streams
@@ -37,8 +32,6 @@ class CudaHostDma:
         self._rt = cupy.cuda.runtime
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         self._local = threading.local()
-        #: why the copies go through CuPy (one call per copy and per wait), None when through native.dma
-        self.native_unavailable = native.cuda_driver_error()
 
     def register(self, addr: int, nbytes: int, read_only: bool) -> None:
         flags = _REGISTER_PORTABLE | (_REGISTER_READ_ONLY if read_only else 0)
@@ -49,28 +42,16 @@ class CudaHostDma:
         with self._cupy.cuda.Device(self._index):
             self._rt.hostUnregister(addr)
 
-    def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool,
-             also_wait: tuple[int, ...] = ()) -> None:
-        """Copy and return when the bytes are there; ``also_wait``: further streams (handles) this
-        call waits for in the same release, such as a checksum kernel's running alongside."""
+    def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
         if not pairs:
             return
         hosts, views = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
         runs = coalesce_lists(hosts, _device_ptrs(views), list(map(_NBYTES, views)), pitch)
         streams = self._streams()
-        pieces = _split(runs, len(streams))
-        if self.native_unavailable is None:
-            flat = array("Q")
-            for k, piece in enumerate(pieces):
-                flat.extend(piece)
-                flat.append(streams[k % len(streams)].ptr)
-            used = [s.ptr for s in streams[:len(pieces)]]
-            native.dma(flat, array("Q", used + list(also_wait)), to_host, self._index)
-            return
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):
             k = 0
-            for host, dev, width, hpitch, rows in pieces:
+            for host, dev, width, hpitch, rows in _split(runs, len(streams)):
                 s = streams[k % len(streams)].ptr
                 k += 1
                 if rows == 1:
@@ -84,8 +65,6 @@ class CudaHostDma:
                     self._rt.memcpy2DAsync(dev, width, host, hpitch, width, rows, kind, s)
             for stream in streams[:k]:
                 stream.synchronize()
-            for handle in also_wait:
-                self._cupy.cuda.ExternalStream(handle, self._index).synchronize()
 
     def _streams(self) -> list[Any]:
         streams = getattr(self._local, "streams", None)

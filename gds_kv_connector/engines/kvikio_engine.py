@@ -149,17 +149,6 @@ class KvikioEngine(IoEngine):
     def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         self._dma().copy(pairs, pitch, to_host=True)
 
-    def copy_to_host_checksummed(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> list[int]:
-        """The checksum kernel runs on its own stream while the blocks are copied, and one call
-        waits for both (an arena save batch: one GIL release for all of its GPU work)."""
-        from ..gpu_checksum import checksums_queued
-
-        pending = checksums_queued([view for _, view in pairs])
-        if pending is None:
-            return super().copy_to_host_checksummed(pairs, pitch)
-        self._dma().copy(pairs, pitch, to_host=True, also_wait=(pending.stream,))
-        return pending.sums()
-
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         self._dma().copy(pairs, pitch, to_host=False)
 
