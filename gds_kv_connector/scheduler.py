@@ -93,6 +93,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._out_loads: list[LoadOp] = []
         self._out_saves: list[SaveOp] = []
         self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
         self._min_seen = int(self.settings.admission[5:]) if self.settings.admission.startswith("seen:") else 0
 
     # -- wiring -----------------------------------------------------------------------------------
@@ -159,8 +160,10 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 n = min(n, pool.count_present(keys, first))
                 if n == 0:
                     break
-            stats = self._peer.stats
-            stats.add_many(match_queries=1, match_blocks_hit=n, match_blocks_miss=limit - first - n)
+            m = self._match  # folded into the shared counters once per iteration (build_connector_meta)
+            m[0] += 1
+            m[1] += n
+            m[2] += limit - first - n
             if n == 0:
                 return 0, False
             is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
@@ -214,7 +217,16 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._fold_reports(scheduler_output.cached_requests, False, saves)
             meta = GdsKvMetadata(self._out_loads, saves)
             self._out_loads, self._out_saves = [], []
+            self._flush_match_counts()
             return meta
+
+    def _flush_match_counts(self) -> None:
+        """The match counters go to the shared stats (a lock and a dict update) once per iteration,
+        not once per request matched: admitting 64 requests paid that 64 times."""
+        m = self._match
+        if m[0] and self._peer is not None:
+            self._peer.stats.add_many(match_queries=m[0], match_blocks_hit=m[1], match_blocks_miss=m[2])
+            m[0] = m[1] = m[2] = 0
 
     def _fold_reports(self, reports: Sequence[Any], first: bool, saves: list[SaveOp]) -> None:
         """Fold each scheduled request's report into its state and queue the saves it makes due.

@@ -57,9 +57,13 @@ class ConnectorFailure(RuntimeError):
 
 class TransferManager:
     def __init__(self, pool: BlockPool, engine: IoEngine, kv: KvPool, settings: Settings, stats: Stats,
-                 on_saved: Callable[[int], None] | None = None) -> None:
+                 on_saved: Callable[[int], None] | None = None,
+                 record_event: Callable[[Any], Any] | None = None) -> None:
         self.pool, self.engine, self.kv, self.settings, self.stats = pool, engine, kv, settings, stats
         self._on_saved = on_saved  # bytes of files published, for the capacity guard
+        # stream -> an event after the work queued on it so far (None for a host pool): recorded
+        # for finished requests' saves only when some arrive, not every iteration
+        self._record_event = record_event or (lambda stream: None)
         self._exec = ThreadPoolExecutor(max_workers=settings.transfer_threads, thread_name_prefix="gdskv-xfer")
         # Start every transfer thread now: ThreadPoolExecutor starts them lazily, one per submit, which
         # would put thread creation on the executor thread in the first iteration that transfers.
@@ -72,7 +76,8 @@ class TransferManager:
         self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
         self._loading: dict[int, float] = {}
         self._inbox: queue.SimpleQueue[list[SaveOp]] = queue.SimpleQueue()
-        self._last_event: Any = None
+        self._forward_stream: Any = None  # where the latest forward was queued
+        self._last_event: Any = None  # an event after that forward, once one was recorded
         self._causes_logged: set[str] = set()
         self._closed = False
 
@@ -99,8 +104,11 @@ class TransferManager:
         """Saves of a finished request handed over by the in-process scheduler (any thread)."""
         self._inbox.put(ops)
 
-    def note_forward_event(self, event: Any) -> None:
-        self._last_event = event
+    def note_forward(self, stream: Any, event: Any = None) -> None:
+        """This iteration's forward was queued on ``stream``; ``event``, if one was recorded, marks
+        its end.  Saves handed over later (:meth:`deliver_saves`) wait for that event, recorded on
+        ``stream`` when they arrive if none was: later on the same stream is still after the forward."""
+        self._forward_stream, self._last_event = stream, event
 
     def _submit_many(self, ops: list[Any], kind: str, fn: Callable[[Any, Any, float], Any], event: Any) -> list[_Job]:
         """Merge the ops into batches (``_batches``), one future each, run by at most
@@ -180,6 +188,8 @@ class TransferManager:
     def poll(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         now = time.monotonic()
         while not self._inbox.empty():
+            if self._last_event is None:
+                self._last_event = self._record_event(self._forward_stream)
             self.submit_saves(self._inbox.get_nowait(), self._last_event)
         for rid in finished_gen_req_ids:
             self._finishing.setdefault(rid, now)

@@ -81,7 +81,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self._snapshot,
                                               self.settings.stats_interval_s)
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
-                                         on_saved=self.capacity.note_saved)
+                                         on_saved=self.capacity.note_saved, record_event=self._record_event)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
                                           self.stats, self.pool))
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s)", kv.num_blocks,
@@ -107,11 +107,13 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         with nvtx_range("worker/wait_for_save", "yellow"):
             if self.transfers is None:
                 return
-            event = self._record_event(stream)
-            self.transfers.note_forward_event(event)
             meta = self._metadata
             if isinstance(meta, GdsKvMetadata) and meta.saves:
+                event = self._record_event(stream)
+                self.transfers.note_forward(stream, event)
                 self.transfers.submit_saves(meta.saves, event)
+            else:  # no event unless saves of finished requests arrive (transfers.poll records one then)
+                self.transfers.note_forward(stream)
 
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:

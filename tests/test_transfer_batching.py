@@ -145,3 +145,52 @@ def test_time_held_for_synchronous_loads_is_counted(tmp_path):
         assert 0.25e6 <= waited_us <= 1e6 * held + 1000
     finally:
         r.close()
+
+
+class _Event:
+    """Stands in for a CUDA event: which stream it was recorded on, and that the save waited for it."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.waited = stream, 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+def test_delivered_saves_wait_for_an_event_recorded_only_when_they_arrive(tmp_path):
+    recorded: list[_Event] = []
+
+    def record(stream):
+        recorded.append(_Event(stream))
+        return recorded[-1]
+
+    r = Rig(str(tmp_path / "pool"), num_blocks=8)
+    r.tm._record_event = record
+    try:
+        r.tm.note_forward("stream-1")  # an iteration without saves: nothing recorded
+        r.tm.poll([], [])
+        assert recorded == []
+        r.tm.deliver_saves([r.save_op(1, [fh.key_of("late", 1, j) for j in range(2)])])
+        r.poll_until(finished=[1], want_saved=[1])
+        assert [e.stream for e in recorded] == ["stream-1"] and recorded[0].waited == 1
+        given = _Event("stream-2")  # wait_for_save with saves recorded one: delivered saves reuse it
+        r.tm.note_forward("stream-2", given)
+        r.tm.deliver_saves([r.save_op(2, [fh.key_of("late", 2, 0)], first_block=2)])
+        r.poll_until(finished=[2], want_saved=[2])
+        assert len(recorded) == 1 and given.waited == 1
+        assert r.stats.snapshot()["blocks_saved"] == 3
+    finally:
+        r.close()
+
+
+def test_match_counters_reach_the_shared_stats_once_per_iteration(pool_env):
+    ex = make_executor()
+    prompts = [rand_tokens(70, seed) for seed in (1, 2)]
+    serve(ex, prompts, max_new_tokens=2)
+    serve(ex, prompts, max_new_tokens=2, first_id=100)  # the same prompts again: 2 full blocks each hit
+    got = ex.worker.stats.snapshot()
+    tpb = ex.cfg.shape.tokens_per_block
+    full = (70 - 1) // tpb
+    assert got["match_queries"] == 4
+    assert got["match_blocks_hit"] == 2 * full and got["match_blocks_miss"] == 2 * full
+    ex.worker.shutdown()
