@@ -108,7 +108,9 @@ class SlotArena:
         # Runs of free slots, (ready at, slab, first slot, count): a batch of 256 slots is taken in one
         # or two steps instead of 256 deque pops on a transfer thread holding the GIL.
         self._free: collections.deque[tuple[float, str, int, int]] = collections.deque()
-        self._used: collections.OrderedDict[tuple[str, int], tuple[bytes, int]] = collections.OrderedDict()
+        # (slab, slot) -> (key, created_ns) of published slots, least recently used first: a plain dict
+        # (insertion-ordered; a touch re-inserts), whose update costs half an OrderedDict's per block
+        self._used: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
         self.owned_slots = 0
@@ -360,7 +362,7 @@ class SlotArena:
         """Free slots whose reference is gone; if that is not enough, evict this owner's least
         recently used blocks (a batch ahead of need, since freed slots cool for reuse_delay_s)."""
         with self._lock:
-            candidates = list(self._used.items())[:max(4 * need, 64)]
+            candidates = list(itertools.islice(self._used.items(), max(4 * need, 64)))
         freed: list[tuple[str, int]] = []
         for (name, slot), (key, created) in candidates:
             ref = self.pool.read_ref(key)
@@ -370,7 +372,7 @@ class SlotArena:
             want = max(need - len(freed), self.capacity_slots // 32)
             gone = set(freed)
             with self._lock:
-                victims = [(s, v) for s, v in self._used.items() if s not in gone][:want]
+                victims = list(itertools.islice(((s, v) for s, v in self._used.items() if s not in gone), want))
             for (name, slot), (key, created) in victims:
                 self.pool.unpublish_ref(key, SlotRef(key, name, slot, created))
                 freed.append((name, slot))
@@ -469,8 +471,9 @@ class SlotArena:
         with self._lock:
             used = self._used
             for k in map(_SLAB_SLOT, refs):
-                if k in used:
-                    used.move_to_end(k)
+                entry = used.pop(k, None)
+                if entry is not None:
+                    used[k] = entry  # re-inserted: now the most recently used
 
     def usage(self) -> dict[str, int]:
         with self._lock:

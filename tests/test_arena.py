@@ -362,3 +362,18 @@ def test_coalesce_lists_matches_coalesce_on_runs_and_on_scattered_blocks():
     # equal strides but unequal widths are not one run
     assert len(coalesce_lists([0, slot], [0, w], [w, w - 512], slot)) == 2
     assert coalesce_lists([], [], [], slot) == []
+
+
+def test_a_loaded_block_is_evicted_after_the_ones_not_used_since(shm_root, engine):
+    a = _pool(shm_root, engine, 4, per_slab=4)
+    keys, d = _keys(4), _data(4, 9)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
+    assert torch.equal(_load(a, engine, keys[:1]), d[:1])  # keys[0] becomes the most recently used
+    new = _keys(1, b"new")
+    assert save_blocks(a, engine, new, [ZERO_KEY], [_data(1, 10)[0]]).published == 1
+    assert a.arena.usage()["evicted"] == 1
+    for k in keys:
+        a.forget(k)
+    assert a.contains(keys[0]) and not a.contains(keys[1])  # the oldest untouched one went
+    assert a.contains(keys[2]) and a.contains(keys[3]) and a.contains(new[0])
+    a.arena.close()
