@@ -103,3 +103,15 @@ def test_bench_host_memory_target_runs_the_arena(tmp_path):
         assert r["pool_mode"] == "arena" and r["arena_setup_s"] is not None
         assert len(r["GBps_runs"]) == 2 and r["GBps"] == min(r["GBps_runs"])  # lower median of two
         assert r["blocks"] > 0 and r["bytes"] == r["blocks"] * 256 * 1024
+
+
+@pytest.mark.parametrize("script,args,expect", [
+    ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
+    ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "steady median us"),
+])
+def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
+    """The smaller profiling tools the results README cites still run (no GPU needed for these)."""
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiling", script)
+    proc = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert expect in proc.stdout
