@@ -109,7 +109,7 @@ class SlotArena:
         # or two steps instead of 256 deque pops on a transfer thread holding the GIL.
         self._free: collections.deque[tuple[float, str, int, int]] = collections.deque()
         # (slab, slot) -> (key, created_ns) of published slots, least recently used first: a plain dict
-        # (insertion-ordered; a touch re-inserts), whose update costs half an OrderedDict's per block
+        # (insertion-ordered; a touch re-inserts), cheaper per block to update than an OrderedDict
         self._used: dict[tuple[str, int], tuple[bytes, int]] = {}
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
