@@ -1185,6 +1185,9 @@ def render_table(res: dict) -> str:
         kvi = _find(res["baselines"], method="naive_kvikio", target=r["target"], block_bytes=r["block_bytes"],
                     direction=r["direction"])
         notes = []
+        runs = r.get("GBps_runs") or []
+        if len(runs) > 1:  # the median is reported; the spread says how far one run can be trusted
+            notes.append(f"runs {min(runs):.1f}-{max(runs):.1f}")
         if r["direction"] == "save" and r.get("returned_GBps"):
             notes.append(f"returned {r['returned_GBps']:.2f}")
         if r.get("capped_by_time"):

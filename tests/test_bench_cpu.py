@@ -103,6 +103,9 @@ def test_bench_host_memory_target_runs_the_arena(tmp_path):
         assert r["pool_mode"] == "arena" and r["arena_setup_s"] is not None
         assert len(r["GBps_runs"]) == 2 and r["GBps"] == min(r["GBps_runs"])  # lower median of two
         assert r["blocks"] > 0 and r["bytes"] == r["blocks"] * 256 * 1024
+        # the table shows each row's spread over its runs next to the median
+        lo, hi = min(r["GBps_runs"]), max(r["GBps_runs"])
+        assert f"runs {lo:.1f}-{hi:.1f}" in proc.stdout
 
 
 @pytest.mark.parametrize("script,args,expect", [
