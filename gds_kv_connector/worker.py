@@ -40,9 +40,6 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.stats = Stats()
         self._fileops = fileops
         self.kv: KvPool | None = None
-        # read by every wait_for_save: torch.device.type cost 20 us on the first read after a forward
-        # on the CPU reference executor, so it is read once at registration
-        self._on_cuda = False
         self.pool: BlockPool | None = None
         self.transfers: TransferManager | None = None
         self.recency: RecencyLog | None = None
@@ -75,7 +72,6 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.settings.arena_bytes:
             self.pool.arena = start_arena(self.pool, engine, self.settings)
         self.kv = kv
-        self._on_cuda = kv.device.type == "cuda"
         self.recency = RecencyLog.for_process(self.settings.roots)
         self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
         self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self._snapshot,
@@ -148,7 +144,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
 
     def _record_event(self, stream: Any) -> Any:
         """An event after all work queued so far on the forward stream; None for a host pool."""
-        if not self._on_cuda:
+        if self.kv is None or self.kv.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
