@@ -294,10 +294,7 @@ class BlockPool:
             try:
                 keys = list(map(_REF_KEY, chunk))
                 no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
-                made = self._made_dirs
                 for b in {k[0] for k in keys}:
-                    if self._key_dirs[b] in made:
-                        continue
                     try:
                         self._makedirs(self._key_dirs[b])
                     except (OSError, PoolError) as exc:
