@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from . import native
 from .mounts import mount_of
+from .settings import Settings, SettingsError
 
 CALL_TIMEOUT_S = 15.0
 # ext4 and XFS on local NVMe, plus the distributed filesystems with vendor GDS support.
@@ -50,6 +51,7 @@ def doctor_report(root: str | None, probe: bool = True) -> dict[str, Any]:
         "run_udev_readable": os.path.isdir("/run/udev") and os.access("/run/udev", os.R_OK | os.X_OK),
         "cufile_json": _cufile_json_facts(),
         "roots": [_root_facts(r) for r in (root or "").split(":") if r],
+        "compat_io": _compat_io(),
     }
     report["probe"] = _probe_facts(report) if probe else {"ran": False, "ok": None, "reason": "not requested"}
     report["warnings"] = _warnings(report)
@@ -73,6 +75,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"  compat_mode={k.get('compat_mode')} (compat preferred: {k.get('compat_mode_preferred')}), "
                      f"num_threads={k.get('num_threads')}, task_size={k.get('task_size')}")
         lines.append(f"  is_gds_available={k.get('is_gds_available')}, allow_compat_mode={k.get('allow_compat_mode')}")
+        lines.append(f"  block files without GDS moved by: {report['compat_io']} (TLLM_GDS_KV_COMPAT_IO)")
     else:
         lines.append(f"kvikio: not importable{_reason(k.get('error'))}")
     if k.get("timed_out"):
@@ -289,6 +292,14 @@ def _warnings(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def _compat_io() -> str:
+    """TLLM_GDS_KV_COMPAT_IO as the worker will read it, or why it would refuse to start."""
+    try:
+        return Settings.load_from(require_root=False).compat_io
+    except SettingsError as exc:
+        return f"invalid ({exc})"
+
+
 def _verdict(report: dict[str, Any]) -> str:
     t, k, p = report["torch"], report["kvikio"], report["probe"]
     if not t["cuda_available"]:
@@ -298,14 +309,15 @@ def _verdict(report: dict[str, Any]) -> str:
                 "install kvikio-cu12 or kvikio-cu13)")
     if k.get("timed_out"):
         return "unknown (KvikIO queries did not return; start the engine with KVIKIO_COMPAT_MODE=ON)"
+    posix = "kvikio-posix" if report["compat_io"] == "kvikio" else "staged-direct"  # who moves files without GDS
     if k.get("compat_mode_preferred"):
         if k.get("compat_mode") == "ON":
-            return "kvikio-posix (KVIKIO_COMPAT_MODE=ON)"
+            return f"{posix} (KVIKIO_COMPAT_MODE=ON)"
         why = ("/run/udev is unreadable" if not report["run_udev_readable"]
                else "libcufile is not loadable or this is WSL")
-        return f"kvikio-posix (KVIKIO_COMPAT_MODE=AUTO chose it: {why})"
+        return f"{posix} (KVIKIO_COMPAT_MODE=AUTO chose KvikIO's POSIX path: {why})"
     if p["ran"] and not p["ok"]:
-        return f"kvikio-posix (fallback: {p['reason']})"
+        return f"{posix} (fallback: {p['reason']})"
     probed = f"; {p['reason']}" if p["ran"] else "; cuFile not probed (give --root to probe it)"
     if not k.get("is_gds_available"):
         return f"cufile-compat (libcufile is used but nvidia-fs is not loaded{probed})"

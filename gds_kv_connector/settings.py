@@ -93,6 +93,11 @@ SPECS: tuple[SettingSpec, ...] = (
                 "llm_args.model. Set it when the same weights are served under different paths."),
     SettingSpec("engine", "auto", str, "I/O engine: auto (kvikio for a CUDA pool, posix for a host pool), "
                 "posix, or kvikio.", _one_of("auto", "posix", "kvikio")),
+    SettingSpec("compat_io", "staged", str, "Who moves block files of a CUDA pool when GPUDirect Storage is "
+                "not in use (KvikIO would take its POSIX path): staged (one coalesced DMA per batch into "
+                "registered host staging, then one O_DIRECT read or write per file on the I/O threads) or "
+                "kvikio (KvikIO's POSIX path, a CuFile and bounce buffer per file).",
+                _one_of("staged", "kvikio")),
     SettingSpec("io_threads", 16, int, "Threads moving bytes (POSIX engine pool size, KVIKIO_NTHREADS for "
                 "the kvikio engine).", lambda v: None if 1 <= v <= 256 else "must be 1..256"),
     SettingSpec("transfer_threads", 4, int, "Threads driving transfer batches (event wait, checksum, "
@@ -143,6 +148,7 @@ class Settings:
     root: str
     model_id: str
     engine: str
+    compat_io: str
     io_threads: int
     transfer_threads: int
     async_load_bytes: int

@@ -68,7 +68,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                               ops=self._fileops, refs=self.settings.arena_bytes > 0)
         self.pool.cleanup_stale_tmp()
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
-                             probe_dir=self.pool.fp_dirs[0])
+                             probe_dir=self.pool.fp_dirs[0], compat_io=self.settings.compat_io)
         if self.settings.arena_bytes:
             self.pool.arena = start_arena(self.pool, engine, self.settings)
         self.kv = kv

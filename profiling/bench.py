@@ -61,7 +61,7 @@ from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # no
 from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY, file_size_for  # noqa: E402
-from gds_kv_connector.settings import parse_size  # noqa: E402
+from gds_kv_connector.settings import Settings, parse_size  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -500,7 +500,9 @@ class ConnectorRig:
         self.root = root
         fp = hashlib.sha256(f"gdskv-bench/{tag}/{os.getpid()}/{time.time_ns()}".encode()).digest()
         self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0, refs=arena_bytes > 0)
-        self.engine = make_engine("auto", device, io_threads)
+        # TLLM_GDS_KV_COMPAT_IO, as the worker reads it (the user's to force, like the engine)
+        compat_io = Settings.load_from(require_root=False).compat_io
+        self.engine = make_engine("auto", device, io_threads, compat_io=compat_io)
         self.device = device
         self.payload = payload
         self.arena_setup_s: float | None = None
@@ -746,7 +748,7 @@ def connector_env(root: str, arena_bytes: int = 0):
     if arena_bytes:
         os.environ["TLLM_GDS_KV_ARENA_BYTES"] = str(arena_bytes)
     # the engine and thread counts are the user's to force
-    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS"):
+    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_COMPAT_IO", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS"):
         if k in saved:
             os.environ[k] = saved[k]
     try:

@@ -2,8 +2,9 @@
 
     python profiling/gpu_suite.py --out DIR
 
-Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU three
-times (KVIKIO_COMPAT_MODE=ON: KvikIO's POSIX path; OFF: the cuFile path, or the engine's
+Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU four
+times (KVIKIO_COMPAT_MODE=ON: without GDS, files moved by the staged O_DIRECT path, then by
+KvikIO's POSIX path with TLLM_GDS_KV_COMPAT_IO=kvikio; OFF: the cuFile path, or the engine's
 start-up fallback with its reason where cuFile refuses the file; AUTO), plus once with the slot
 arena on a /dev/shm pool (TLLM_GDS_KV_ARENA_BYTES), and writes
 DIR/gpu-suite.json with the commit, pass/fail counts, the data path each run reported and the
@@ -65,7 +66,9 @@ def main() -> int:
             counts[key] += 1
     summary["gpu_tests"] = {"rc": rc, **counts}
     demos = {}
-    runs = [("kvikio-posix", {"KVIKIO_COMPAT_MODE": "ON"}, f"{args.pool}-kvikio-posix"),
+    runs = [("staged", {"KVIKIO_COMPAT_MODE": "ON"}, f"{args.pool}-staged"),
+            ("kvikio-posix", {"KVIKIO_COMPAT_MODE": "ON", "TLLM_GDS_KV_COMPAT_IO": "kvikio"},
+             f"{args.pool}-kvikio-posix"),
             ("cufile-off", {"KVIKIO_COMPAT_MODE": "OFF"}, f"{args.pool}-cufile-off"),
             ("auto", {"KVIKIO_COMPAT_MODE": "AUTO"}, f"{args.pool}-auto")]
     if os.path.isdir("/dev/shm"):  # the slot arena: 2 owner processes, then a restart that adopts their slabs

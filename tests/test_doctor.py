@@ -12,7 +12,7 @@ from gds_kv_connector.doctor import doctor_report, format_doctor
 
 TOP_KEYS = {"python", "torch", "cupy", "kvikio", "env", "nvidia_fs", "run_udev_readable", "cufile_json",
             "roots", "probe", "warnings", "verdict"}
-VERDICTS = ("posix", "none", "unknown", "kvikio-posix", "cufile-compat", "gds")
+VERDICTS = ("posix", "none", "unknown", "staged-direct", "kvikio-posix", "cufile-compat", "gds")
 
 
 def test_report_on_a_tmp_root(tmp_path):

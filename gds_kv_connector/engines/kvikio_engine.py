@@ -25,6 +25,7 @@ import torch
 
 from .base import IoEngine, TransferItem
 from .host_dma import CudaHostDma
+from .staged_files import StagedFileIo
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,13 @@ class KvikioEngine(IoEngine):
     name = "kvikio"
 
     def __init__(self, io_threads: int = 16, device: torch.device | None = None,
-                 probe_dir: str | None = None) -> None:
+                 probe_dir: str | None = None, compat_io: str = "staged") -> None:
         """``probe_dir`` should be the pool directory, so cuFile is probed on the filesystem it will
-        serve; without it the probe runs in the directory of the first file transferred."""
+        serve; without it the probe runs in the directory of the first file transferred.
+        ``compat_io`` (TLLM_GDS_KV_COMPAT_IO) picks who moves files when KvikIO would take its POSIX
+        path: ``staged`` (:mod:`.staged_files`) or ``kvikio``."""
+        if compat_io not in ("staged", "kvikio"):
+            raise ValueError(f"compat_io must be staged or kvikio, not {compat_io!r}")
         import kvikio
         import kvikio.cufile_driver
         import kvikio.defaults
@@ -120,6 +125,8 @@ class KvikioEngine(IoEngine):
         _apply_compat_env(kvikio)
         self._probe_lock = threading.Lock()
         self._host_dma: CudaHostDma | None = None
+        self._io_threads, self._compat_io = io_threads, compat_io
+        self._staged: StagedFileIo | None = None
         # When KvikIO never calls cuFile there is nothing to probe.
         self._probed = kvikio.defaults.is_compat_mode_preferred()
         self._probe_reason = ""
@@ -152,6 +159,10 @@ class KvikioEngine(IoEngine):
     def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         self._dma().copy(pairs, pitch, to_host=False)
 
+    def close(self) -> None:
+        if self._staged is not None:
+            self._staged.close()
+
     def _dma(self) -> CudaHostDma:
         if self._host_dma is None:
             with self._probe_lock:
@@ -161,12 +172,13 @@ class KvikioEngine(IoEngine):
 
     def data_path(self) -> str:
         kv = self._kvikio
+        posix = "staged-direct" if self._compat_io == "staged" else "kvikio-posix"
         if self._fallback is not None:
-            return f"kvikio-posix (fallback: {self._fallback})"
+            return f"{posix} (fallback: {self._fallback})"
         if kv.defaults.is_compat_mode_preferred():
             if kv.defaults.get("compat_mode") == kv.CompatMode.ON:
-                return "kvikio-posix (KVIKIO_COMPAT_MODE=ON)"
-            return ("kvikio-posix (KVIKIO_COMPAT_MODE=AUTO chose it: libcufile is not loadable, "
+                return f"{posix} (KVIKIO_COMPAT_MODE=ON)"
+            return (f"{posix} (KVIKIO_COMPAT_MODE=AUTO chose KvikIO's POSIX path: libcufile is not loadable, "
                     "/run/udev is unreadable, or this is WSL)")
         probe = self._probe_reason if self._probed else "cuFile is probed at the first transfer"
         try:
@@ -215,6 +227,9 @@ class KvikioEngine(IoEngine):
                 self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
             except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
                 return [_as_error(exc) for _ in items]
+        staged = self._staged_io()
+        if staged is not None:
+            return staged.write(items) if write else staged.read(items)
         flags = "r+" if write else "r"
         results: list[BaseException | None] = [None] * len(items)
         handles: list[Any] = []
@@ -259,6 +274,21 @@ class KvikioEngine(IoEngine):
                 except Exception as exc:  # noqa: BLE001 - the transfer's outcome is already known
                     log.debug("closing a KvikIO handle failed: %s", exc)
         return results
+
+
+    def _staged_io(self) -> StagedFileIo | None:
+        """The staged O_DIRECT path, where KvikIO would take its POSIX path and it is not opted out."""
+        if self._staged is None and self._compat_io == "staged" and (
+                self._fallback is not None or self._kvikio.defaults.is_compat_mode_preferred()):
+            with self._probe_lock:
+                if self._staged is None:
+                    dma = self._host_dma or CudaHostDma(self.device)
+                    self._host_dma = dma
+                    self._staged = StagedFileIo(
+                        lambda pairs, pitch: dma.copy(pairs, pitch, to_host=True),
+                        lambda pairs, pitch: dma.copy(pairs, pitch, to_host=False),
+                        dma.register, dma.unregister, self._io_threads)
+        return self._staged
 
 
 def _apply_compat_env(kvikio: Any) -> None:

@@ -9,11 +9,12 @@ from .base import IoEngine
 
 
 def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps | None = None,
-                probe_dir: str | None = None) -> IoEngine:
+                probe_dir: str | None = None, compat_io: str = "staged") -> IoEngine:
     """``kind`` is auto, posix or kvikio; auto picks kvikio for a CUDA pool and posix otherwise.
 
     ``probe_dir`` (the pool root) is where the kvikio engine checks at start-up that cuFile accepts
-    files, so a fallback and its reason are known before the first transfer.
+    files, so a fallback and its reason are known before the first transfer.  ``compat_io`` is
+    TLLM_GDS_KV_COMPAT_IO: who moves a CUDA pool's files when GDS is not in use.
     """
     if kind == "auto":
         kind = "kvikio" if device.type == "cuda" else "posix"
@@ -26,5 +27,5 @@ def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps |
         if device.type != "cuda":
             raise ValueError(f"TLLM_GDS_KV_ENGINE=kvikio needs a CUDA KV pool, but it is on {device}")
         from .kvikio_engine import KvikioEngine
-        return KvikioEngine(io_threads=io_threads, device=device, probe_dir=probe_dir)
+        return KvikioEngine(io_threads=io_threads, device=device, probe_dir=probe_dir, compat_io=compat_io)
     raise ValueError(f"unknown engine {kind!r}")

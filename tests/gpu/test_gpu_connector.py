@@ -98,4 +98,4 @@ def test_two_adp_owners_on_one_gpu_share_a_pool(tmp_path):
     wl = Workload(conversations=4, rounds=2, system_tokens=320, turn_tokens=40, answer_tokens=16)
     s = summarize("adp-gpu", run_phase("adp-gpu", 2, wl, cfg, env, progress=False), SHAPE.block_bytes)
     assert s["rounds"][1]["loaded_tokens"] > 0 and s["connector"].get("load_failures", 0) == 0
-    assert "kvikio" in s["data_path"] or "cufile" in s["data_path"] or "gds" in s["data_path"]
+    assert "staged" in s["data_path"] or "kvikio" in s["data_path"] or "cufile" in s["data_path"] or "gds" in s["data_path"]

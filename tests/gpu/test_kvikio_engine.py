@@ -27,15 +27,16 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = 4096
-DATA_PATHS = ("gds", "cufile-compat", "kvikio-posix")
+DATA_PATHS = ("gds", "cufile-compat", "kvikio-posix", "staged-direct")
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["staged", "kvikio"])
+def engine(tmp_path_factory, request):
+    """Both ways of moving files without GDS (TLLM_GDS_KV_COMPAT_IO); GDS itself where present."""
     from gds_kv_connector.engines.kvikio_engine import KvikioEngine
 
     eng = KvikioEngine(io_threads=8, device=torch.device("cuda", 0),
-                       probe_dir=str(tmp_path_factory.mktemp("probe")))
+                       probe_dir=str(tmp_path_factory.mktemp("probe")), compat_io=request.param)
     print(f"\nKvikioEngine data path: {eng.data_path()}")
     yield eng
     eng.close()
@@ -60,6 +61,7 @@ def _save(engine, directory: str, views: list[torch.Tensor]) -> tuple[list[str],
         path = os.path.join(directory, f"block{i}")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.pwrite(fd, bytes([i % 256]) * HEADER, 0)
+        os.ftruncate(fd, HEADER + _padded(views[i].numel() * views[i].element_size()))
         paths.append(path)
         fds.append(fd)
     try:
@@ -68,6 +70,10 @@ def _save(engine, directory: str, views: list[torch.Tensor]) -> tuple[list[str],
         for fd in fds:
             os.close(fd)
     return paths, errors
+
+
+def _padded(n: int) -> int:
+    return -(-n // 4096) * 4096
 
 
 def _load(engine, paths: list[str], views: list[torch.Tensor]) -> list[BaseException | None]:
@@ -104,15 +110,15 @@ def test_round_trip(engine, pool_dir, kind, block_elems):
     paths, errors = _save(engine, pool_dir, views)
     assert errors == [None] * len(views)
     for i, (path, view) in enumerate(zip(paths, views)):
-        assert os.path.getsize(path) == HEADER + view.numel()
+        assert os.path.getsize(path) == HEADER + _padded(view.numel())
         with open(path, "rb") as f:
             assert f.read(HEADER) == bytes([i % 256]) * HEADER, "the payload write must keep the header"
-        assert _payload(path) == bytes(view.cpu().numpy())
+        assert _payload(path) == bytes(view.cpu().numpy()) + bytes(_padded(view.numel()) - view.numel())
     back = torch.zeros_like(pool)
     back_views = [_block_bytes(back, b) for b in range(back.shape[0])]
     assert _load(engine, paths, back_views) == [None] * len(views)
     assert torch.equal(back.view(-1).view(torch.uint8), pool.view(-1).view(torch.uint8))
-    assert engine.checksums(back_views) == [checksum_bytes(_payload(p)) for p in paths]
+    assert engine.checksums(back_views) == [checksum_bytes(_payload(p)[:v.numel()]) for p, v in zip(paths, views)]
 
 
 def test_probe_with_compat_mode_off_succeeds_or_falls_back(tmp_path):

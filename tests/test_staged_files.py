@@ -1,0 +1,239 @@
+"""The staged O_DIRECT file path (engines/staged_files.py) driven with host tensors and memmove in
+place of the DMA: layout on disk, chunking, padding, refused O_DIRECT, short files, failures."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from gds_kv_connector.engines.base import TransferItem
+from gds_kv_connector.engines.staged_files import StagedFileIo, align_up, plan_chunks
+from gds_kv_connector.fileops import FileOps
+
+HEADER = 4096
+
+
+def _to_host(pairs, pitch):
+    for addr, view in pairs:
+        ctypes.memmove(addr, view.data_ptr(), view.nbytes)
+
+
+def _from_host(pairs, pitch):
+    for addr, view in pairs:
+        ctypes.memmove(view.data_ptr(), addr, view.nbytes)
+
+
+class _Registry:
+    def __init__(self):
+        self.live: dict[int, int] = {}
+        self.calls = 0
+
+    def register(self, addr, nbytes, read_only):
+        assert addr % 4096 == 0, "staging must be page-aligned for O_DIRECT"
+        self.live[addr] = nbytes
+        self.calls += 1
+
+    def unregister(self, addr):
+        del self.live[addr]
+
+
+class _NoDirect(FileOps):
+    """A filesystem that refuses O_DIRECT at open, as tmpfs did before Linux 6.6."""
+
+    def open(self, path, flags, mode=0o600):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused")
+        return super().open(path, flags, mode)
+
+
+def _io(reg, stage_bytes=1 << 20, ops=None, to_host=_to_host, from_host=_from_host):
+    return StagedFileIo(to_host, from_host, reg.register, reg.unregister, io_threads=3, stage_bytes=stage_bytes,
+                        ops=ops)
+
+
+@pytest.fixture(params=["tmp", "shm"])
+def directory(request, tmp_path):
+    if request.param == "tmp":
+        yield str(tmp_path)
+        return
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    d = tempfile.mkdtemp(prefix="gdskv-test-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _create(directory, n, payload):
+    """Block files as the pool creates them: header page written, size padded to a page."""
+    paths, fds = [], []
+    for i in range(n):
+        p = os.path.join(directory, f"b{i}")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.pwrite(fd, bytes([i + 1]) * HEADER, 0)
+        os.ftruncate(fd, HEADER + align_up(payload))
+        paths.append(p)
+        fds.append(fd)
+    return paths, fds
+
+
+def _read(paths, io, views):
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    try:
+        return io.read([TransferItem(fd, HEADER, v) for fd, v in zip(fds, views)])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_plan_chunks_fills_the_stage_and_grows_for_a_large_block():
+    assert plan_chunks([], 1 << 20) == (4096, [])
+    pitch, chunks = plan_chunks([5000] * 7, 3 * 8192)
+    assert pitch == 8192 and [list(c) for c in chunks] == [[0, 1, 2], [3, 4, 5], [6]]
+    pitch, chunks = plan_chunks([10 << 20, 10 << 20], 1 << 20)  # one block per chunk, stage grown
+    assert pitch == 10 << 20 and [list(c) for c in chunks] == [[0], [1]]
+
+
+@pytest.mark.parametrize("payload", [16384, 24000])
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "refused"])
+def test_round_trip_keeps_header_writes_padding_and_reads_back(directory, payload, direct):
+    reg = _Registry()
+    io = _io(reg, stage_bytes=3 * align_up(payload), ops=None if direct else _NoDirect())
+    data = torch.randint(0, 256, (7, payload), dtype=torch.uint8)
+    paths, fds = _create(directory, 7, payload)
+    try:
+        errors = io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert errors == [None] * 7
+    for i, p in enumerate(paths):
+        raw = open(p, "rb").read()
+        assert len(raw) == HEADER + align_up(payload)
+        assert raw[:HEADER] == bytes([i + 1]) * HEADER
+        assert raw[HEADER:HEADER + payload] == data[i].numpy().tobytes()
+        assert raw[HEADER + payload:] == bytes(align_up(payload) - payload)
+    back = torch.zeros_like(data)
+    assert _read(paths, io, list(back)) == [None] * 7
+    assert torch.equal(back, data)
+    if not direct:
+        assert io.direct_refused == 14  # every file, both directions, through the plain descriptor
+    io.close()
+    assert reg.live == {}
+
+
+def test_padding_is_zero_after_a_larger_block_used_the_slot(tmp_path):
+    reg = _Registry()
+    io = _io(reg)
+    big = torch.full((2, 8192), 0xAB, dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 2, 8192)
+    assert io.write([TransferItem(fd, HEADER, big[i]) for i, fd in enumerate(fds)]) == [None, None]
+    small = torch.full((1, 5000), 0x11, dtype=torch.uint8)
+    path = os.path.join(str(tmp_path), "small")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.ftruncate(fd, HEADER + 8192)
+    assert io.write([TransferItem(fd, HEADER, small[0])]) == [None]
+    os.close(fd)
+    for fd in fds:
+        os.close(fd)
+    raw = open(path, "rb").read()
+    assert raw[HEADER:HEADER + 5000] == b"\x11" * 5000 and raw[HEADER + 5000:] == bytes(8192 - 5000)
+    io.close()
+
+
+def test_a_short_file_fails_alone_and_a_file_ending_in_the_padding_does_not(tmp_path):
+    reg = _Registry()
+    io = _io(reg)
+    payload = 24000
+    data = torch.randint(0, 256, (3, payload), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 3, payload)
+    assert io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None] * 3
+    for fd in fds:
+        os.close(fd)
+    os.truncate(paths[0], HEADER + 8192)  # ends before the payload does
+    os.truncate(paths[2], HEADER + payload)  # ends after the payload, inside the padding page
+    back = torch.zeros_like(data)
+    errors = _read(paths, io, list(back))
+    assert isinstance(errors[0], EOFError)
+    assert errors[1] is None and errors[2] is None
+    assert torch.equal(back[1:], data[1:])
+    io.close()
+
+
+def test_a_failed_copy_fails_its_chunk_only(tmp_path):
+    reg = _Registry()
+    calls = []
+
+    def flaky(pairs, pitch):
+        calls.append(len(pairs))
+        if len(calls) == 2:
+            raise RuntimeError("DMA failed")
+        _to_host(pairs, pitch)
+
+    io = _io(reg, stage_bytes=2 * 4096, to_host=flaky)
+    data = torch.randint(0, 256, (5, 4096), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 5, 4096)
+    errors = io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)])
+    for fd in fds:
+        os.close(fd)
+    assert calls == [2, 2, 1]
+    assert errors[0] is None and errors[1] is None and errors[4] is None
+    assert all(isinstance(e, RuntimeError) for e in errors[2:4])
+    assert open(paths[4], "rb").read()[HEADER:] == data[4].numpy().tobytes()
+    io.close()
+
+
+def test_a_bad_descriptor_fails_alone_and_the_rest_is_copied_in(tmp_path):
+    reg = _Registry()
+    io = _io(reg)
+    data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 2, 4096)
+    assert io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None, None]
+    for fd in fds:
+        os.close(fd)
+    fd = os.open(paths[1], os.O_RDONLY)
+    closed = os.open(paths[1], os.O_RDONLY)
+    os.close(closed)
+    back = torch.zeros_like(data)
+    try:
+        errors = io.read([TransferItem(closed, HEADER, back[0]), TransferItem(fd, HEADER, back[1])])
+    finally:
+        os.close(fd)
+    assert isinstance(errors[0], OSError) and errors[1] is None
+    assert torch.equal(back[1], data[1]) and not back[0].any()
+    io.close()
+
+
+def test_stage_is_per_thread_and_released_at_close(tmp_path):
+    import threading
+
+    reg = _Registry()
+    io = _io(reg, stage_bytes=8192)
+    data = torch.randint(0, 256, (4, 4096), dtype=torch.uint8)
+
+    def save(i):
+        paths, fds = _create(str(tmp_path / f"t{i}"), 2, 4096)
+        io.write([TransferItem(fd, HEADER, data[2 * (i % 2) + k]) for k, fd in enumerate(fds)])
+        for fd in fds:
+            os.close(fd)
+
+    for i in range(3):
+        os.mkdir(tmp_path / f"t{i}")
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reg.calls == 3 and len(reg.live) == 3
+    io.close()
+    assert reg.live == {}
+
+
+def test_stage_size_is_checked():
+    with pytest.raises(ValueError, match="stage_bytes"):
+        StagedFileIo(_to_host, _from_host, lambda *a: None, lambda a: None, io_threads=1, stage_bytes=100)
