@@ -72,17 +72,20 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
                 return out
         out.arena_fallback = len(todo)
     opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
+    packed: list[bytes] = []  # each opened file's header, written with its payload in one I/O
     try:
         for i, csum in zip(todo, sums):
             header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
                                  pool.tokens_per_block, now, parents[i] or ZERO_KEY)
             try:
-                fd, tmp = pool.create_tmp(keys[i], header)
+                fd, tmp = pool.create_tmp(keys[i], header, write_header=False)
             except (OSError, PoolError) as exc:  # PoolError: a directory was replaced by a file
                 out.failed.append((keys[i], _cause(exc)))
                 continue
             opened.append((i, fd, tmp))
-        errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i]) for i, fd, _ in opened])
+            packed.append(header.pack())
+        errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i], raw)
+                               for (i, fd, _), raw in zip(opened, packed)])
         while opened:
             (i, fd, tmp), err = opened.pop(0), errors.pop(0)
             if err is not None:
@@ -182,23 +185,6 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
             for n, csum in zip(slot_pins, sums):
                 expected[n] = csum
     file_pins = [n for n, pin in enumerate(pins) if pin.slot is None]
-    for n in file_pins:
-        pin = pins[n]
-        while True:
-            try:
-                expected[n] = pool.read_header(pin).checksum
-                break
-            except FormatError as exc:
-                pool.quarantine(pin.key, str(exc), pin.ino)
-                raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
-            except EOFError as exc:
-                pool.quarantine(pin.key, "truncated", pin.ino)
-                raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
-            except OSError as exc:
-                if exc.errno not in TRANSIENT_ERRNOS or attempt >= retries or time.monotonic() >= deadline:
-                    raise LoadFailure(pin.key, pin.path, f"header read failed: {exc}") from None
-                attempt += 1
-                log.info("retrying a block header read after %s (attempt %d of %d)", exc, attempt, retries)
     if slot_pins:
         engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(slot_pins, addrs)], pool.file_size)
         changed = native.first_changed(addrs, fields)
@@ -207,9 +193,12 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
             pool.arena.forget(pin.key)
             raise LoadFailure(pin.key, pin.path, "arena slot was reused while it was being loaded")
         pool.arena.touch([pins[n].slot for n in slot_pins])
+    # Header and payload of a block file are read together (one I/O where the engine can) and
+    # the header is checked after; a failed load is reported either way, before any KV is used.
+    headers = {n: bytearray(HEADER_SIZE) for n in file_pins}
     pending = file_pins
     while pending:
-        errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i]) for i in pending])
+        errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i], headers[i]) for i in pending])
         failed = [(i, e) for i, e in zip(pending, errors) if e is not None]
         if not failed:
             break
@@ -222,6 +211,13 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
         attempt += 1
         log.info("retrying %d block read(s) after %s (attempt %d of %d)", len(failed), err, attempt, retries)
         pending = [i for i, _ in failed]
+    for n in file_pins:
+        pin = pins[n]
+        try:
+            expected[n] = pool.check_header(pin, headers[n]).checksum
+        except FormatError as exc:
+            pool.quarantine(pin.key, str(exc), pin.ino)
+            raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
     if verify:
         sums = engine.checksums(views)
         if sums == expected:  # one C comparison; the loop below only names the first mismatch

@@ -324,6 +324,11 @@ class BlockPool:
         """Read and check the header; a short read is retried (read_exact), never taken as corrupt."""
         raw = bytearray(HEADER_SIZE)
         read_exact(self.ops, pin.fd, raw, 0)
+        return self.check_header(pin, raw)
+
+    def check_header(self, pin: Pin, raw: bytes | bytearray) -> BlockHeader:
+        """Parse a pinned block's header bytes (read with its payload) and check them against the
+        pool and the key; raises FormatError."""
         return parse_header(bytes(raw), fingerprint=self.fingerprint, key=pin.key, payload_len=self.payload_len)
 
     def unpin(self, pin: Pin) -> None:
@@ -378,8 +383,11 @@ class BlockPool:
         return None
 
     # -- writing ----------------------------------------------------------------------------------
-    def create_tmp(self, key: bytes, header: BlockHeader) -> tuple[int, str]:
-        """Create the temporary file of a block and write its header; payload follows at HEADER_SIZE."""
+    def create_tmp(self, key: bytes, header: BlockHeader, write_header: bool = True) -> tuple[int, str]:
+        """Create the temporary file of a block and write its header; payload follows at HEADER_SIZE.
+
+        ``write_header=False`` leaves the header page to the caller, who writes it with the payload
+        (``TransferItem.header``) in one I/O."""
         d = self.dir_for(key)
         self._makedirs(d)
         tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
@@ -394,7 +402,8 @@ class BlockPool:
         try:
             if self.file_mode & 0o077:
                 self.ops.fchmod(fd, self.file_mode)  # the umask must not take the group bits away
-            write_all(self.ops, fd, header.pack(), 0)
+            if write_header:
+                write_all(self.ops, fd, header.pack(), 0)
             if self.payload_len % PAGE:
                 self.ops.ftruncate(fd, self.file_size)  # the zero padding readers expect
         except BaseException:

@@ -237,3 +237,66 @@ def test_stage_is_per_thread_and_released_at_close(tmp_path):
 def test_stage_size_is_checked():
     with pytest.raises(ValueError, match="stage_bytes"):
         StagedFileIo(_to_host, _from_host, lambda *a: None, lambda a: None, io_threads=1, stage_bytes=100)
+
+
+class _Counting(FileOps):
+    def __init__(self):
+        self.pwrites: list[tuple[int, int]] = []  # (offset, length)
+        self.preads: list[tuple[int, int]] = []
+
+    def pwrite(self, fd, data, offset):
+        self.pwrites.append((offset, len(data)))
+        return super().pwrite(fd, data, offset)
+
+    def preadv(self, fd, buf, offset):
+        self.preads.append((offset, len(buf)))
+        return super().preadv(fd, buf, offset)
+
+
+@pytest.mark.parametrize("payload", [16384, 24000])
+def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
+    reg = _Registry()
+    ops = _Counting()
+    io = _io(reg, ops=ops)
+    data = torch.randint(0, 256, (3, payload), dtype=torch.uint8)
+    paths, fds = [], []
+    for i in range(3):  # as pool.create_tmp(write_header=False) leaves them: size only
+        p = os.path.join(str(tmp_path), f"b{i}")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.ftruncate(fd, HEADER + align_up(payload))
+        paths.append(p)
+        fds.append(fd)
+    headers = [bytes([0x40 + i]) * HEADER for i in range(3)]
+    errors = io.write([TransferItem(fd, HEADER, data[i], headers[i]) for i, fd in enumerate(fds)])
+    for fd in fds:
+        os.close(fd)
+    assert errors == [None] * 3
+    assert sorted(ops.pwrites) == [(0, HEADER + align_up(payload))] * 3
+    for i, p in enumerate(paths):
+        raw = open(p, "rb").read()
+        assert raw == headers[i] + data[i].numpy().tobytes() + bytes(align_up(payload) - payload)
+    back = torch.zeros_like(data)
+    got = [bytearray(HEADER) for _ in range(3)]
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    try:
+        errors = io.read([TransferItem(fd, HEADER, back[i], got[i]) for i, fd in enumerate(fds)])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert errors == [None] * 3
+    assert sorted(ops.preads) == [(0, HEADER + align_up(payload))] * 3
+    assert [bytes(g) for g in got] == headers and torch.equal(back, data)
+    io.close()
+
+
+def test_a_header_that_does_not_fill_the_pages_before_the_payload_fails_its_item(tmp_path):
+    reg = _Registry()
+    io = _io(reg)
+    data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 2, 4096)
+    errors = io.write([TransferItem(fds[0], HEADER, data[0], b"x" * 100), TransferItem(fds[1], HEADER, data[1])])
+    for fd in fds:
+        os.close(fd)
+    assert isinstance(errors[0], ValueError) and errors[1] is None
+    assert open(paths[1], "rb").read()[HEADER:] == data[1].numpy().tobytes()
+    io.close()

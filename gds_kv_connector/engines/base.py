@@ -15,11 +15,35 @@ import torch
 
 @dataclass
 class TransferItem:
-    """One payload transfer: ``view`` (uint8, contiguous) <-> ``fd`` at ``offset``."""
+    """One payload transfer: ``view`` (uint8, contiguous) <-> ``fd`` at ``offset``.
+
+    With ``header`` (``offset`` bytes), the bytes before the payload travel too: written from it,
+    or read into it (a bytearray), in the same I/O where the engine can.  A block file's header
+    and payload then cost one read or write instead of two, which is what small blocks on a
+    disk pool pay for.
+    """
 
     fd: int
     offset: int
     view: torch.Tensor
+    header: bytes | bytearray | None = None
+
+
+def header_io(item: TransferItem, write: bool, pwrite, preadv) -> None:
+    """Move ``item.header`` on its own, for engines that cannot join it to the payload's I/O."""
+    if item.header is None:
+        return
+    if len(item.header) != item.offset:
+        raise ValueError(f"a header of {len(item.header)} bytes does not fill the {item.offset} before the payload")
+    buf = memoryview(item.header)
+    done = 0
+    while done < len(buf):
+        n = pwrite(item.fd, buf[done:], done) if write else preadv(item.fd, buf[done:], done)
+        if n <= 0:
+            if write:
+                raise OSError(5, f"pwrite wrote {n} bytes at offset {done}")
+            raise EOFError(f"file ended after {done} bytes, inside its header")
+        done += n
 
 
 class IoEngine(ABC):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import IoEngine, TransferItem
+from .base import IoEngine, TransferItem, header_io
 from .host_dma import CudaHostDma
 from .staged_files import StagedFileIo
 
@@ -240,6 +240,7 @@ class KvikioEngine(IoEngine):
             for i, item in enumerate(items):
                 try:
                     view = _byte_view(item.view)
+                    header_io(item, write, os.pwrite, _preadv)
                     # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
                     # reopening the same inode through /proc lets KvikIO open it its own way.
                     handle = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
@@ -289,6 +290,10 @@ class KvikioEngine(IoEngine):
                         lambda pairs, pitch: dma.copy(pairs, pitch, to_host=False),
                         dma.register, dma.unregister, self._io_threads)
         return self._staged
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    return os.preadv(fd, [buf], offset)
 
 
 def _apply_compat_env(kvikio: Any) -> None:

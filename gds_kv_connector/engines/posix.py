@@ -14,7 +14,7 @@ import torch
 
 from ..checksum import checksum_bytes
 from ..fileops import FileOps, read_exact, write_all
-from .base import IoEngine, TransferItem
+from .base import IoEngine, TransferItem, header_io
 
 
 class PosixEngine(IoEngine):
@@ -30,10 +30,20 @@ class PosixEngine(IoEngine):
         return list(self._pool.map(lambda it: _capture(fn, it), items))
 
     def write(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._run(lambda it: write_all(self.ops, it.fd, _host_bytes(it.view), it.offset), items)
+        return self._run(self._write_one, items)
 
     def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._run(lambda it: read_exact(self.ops, it.fd, _host_bytes(it.view), it.offset), items)
+        return self._run(self._read_one, items)
+
+    def _write_one(self, it: TransferItem) -> None:
+        data = _host_bytes(it.view)
+        header_io(it, True, self.ops.pwrite, self.ops.preadv)
+        write_all(self.ops, it.fd, data, it.offset)
+
+    def _read_one(self, it: TransferItem) -> None:
+        data = _host_bytes(it.view)
+        header_io(it, False, self.ops.pwrite, self.ops.preadv)
+        read_exact(self.ops, it.fd, data, it.offset)
 
     def checksums(self, views: list[torch.Tensor]) -> list[int]:
         if len(views) <= 1:

@@ -4,9 +4,10 @@ Without nvidia-fs, KvikIO's POSIX path moves each block on its own: a new ``CuFi
 a bounce-buffer copy per 4 MiB task, payload reads through the page cache.  This path does what
 the raw-disk ceiling does instead: the batch's payloads are copied device -> host in one
 coalesced DMA (55 GB/s on the H200 host) into page-aligned staging slots, then every file is
-written with one O_DIRECT ``pwrite`` of its padded payload on an I/O thread; loads run the same
-in reverse.  The file layout is unchanged (payload at ``HEADER_SIZE``, zero padding to a page),
-so files written either way are read either way.  A filesystem that refuses O_DIRECT (tmpfs on
+written with one O_DIRECT ``pwrite`` on an I/O thread: its header page (``TransferItem.header``),
+payload and zero padding together, so a block costs the disk one write and, loading, one read.
+Loads run the same in reverse.  The file layout is unchanged (payload at ``HEADER_SIZE``, zero
+padding to a page), so files written either way are read either way.  A filesystem that refuses O_DIRECT (tmpfs on
 older kernels) gets the same writes through the plain descriptor.
 
 The DMA is a callable (:class:`~.host_dma.CudaHostDma` on GPU hosts), so the CPU tests drive
@@ -106,12 +107,21 @@ class StagedFileIo:
     def _run(self, items: list[TransferItem], write: bool) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
-        pitch, chunks = plan_chunks(sizes, self._stage_bytes)
+        # Items with a header move it in the same I/O: the slot then starts at file offset 0.
+        leads = [0 if it.header is None else it.offset for it in items]
+        for i, (it, lead) in enumerate(zip(items, leads)):
+            if lead and (len(it.header) != lead or lead % PAGE):
+                results[i] = ValueError(f"a header of {len(it.header)} bytes at payload offset {it.offset} "
+                                        "cannot join the payload's I/O (it must fill whole pages before it)")
+        pitch, chunks = plan_chunks([lead + align_up(n) for lead, n in zip(leads, sizes)], self._stage_bytes)
         if not chunks:
             return results
         stage = self._stage(pitch * len(chunks[0]))
         for chunk in chunks:
-            pairs = [(stage.addr + k * pitch, items[i].view) for k, i in enumerate(chunk)]
+            chunk = [i for i in chunk if results[i] is None]
+            if not chunk:
+                continue
+            pairs = [(stage.addr + k * pitch + leads[i], items[i].view) for k, i in enumerate(chunk)]
             if write:
                 try:
                     self._to_host(pairs, pitch)
@@ -119,7 +129,7 @@ class StagedFileIo:
                     for i in chunk:
                         results[i] = exc
                     continue
-            jobs = [(items[i], stage.view[k * pitch:k * pitch + align_up(sizes[i])], sizes[i])
+            jobs = [(items[i], stage.view[k * pitch:k * pitch + leads[i] + align_up(sizes[i])], leads[i], sizes[i])
                     for k, i in enumerate(chunk)]
             fn = self._write_one if write else self._read_one
             errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
@@ -158,14 +168,16 @@ class StagedFileIo:
             self.direct_refused += 1
             return -1
 
-    def _write_one(self, job: tuple[TransferItem, memoryview, int]) -> BaseException | None:
-        item, buf, nbytes = job
+    def _write_one(self, job: tuple[TransferItem, memoryview, int, int]) -> BaseException | None:
+        item, buf, lead, nbytes = job
         try:
-            if len(buf) > nbytes:
-                buf[nbytes:] = bytes(len(buf) - nbytes)  # the zero padding readers expect
+            if lead:
+                buf[:lead] = item.header
+            if len(buf) > lead + nbytes:
+                buf[lead + nbytes:] = bytes(len(buf) - lead - nbytes)  # the zero padding readers expect
             dfd = self._direct_fd(item.fd, os.O_WRONLY)
             try:
-                write_all(self.ops, item.fd if dfd < 0 else dfd, buf, item.offset)
+                write_all(self.ops, item.fd if dfd < 0 else dfd, buf, item.offset - lead)
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
@@ -175,24 +187,27 @@ class StagedFileIo:
         finally:
             buf.release()  # an error's traceback keeps this frame: it must not pin the stage's mapping
 
-    def _read_one(self, job: tuple[TransferItem, memoryview, int]) -> BaseException | None:
+    def _read_one(self, job: tuple[TransferItem, memoryview, int, int]) -> BaseException | None:
         """Reads whole pages (O_DIRECT needs them); the file may end inside the last one, after
         the payload, but a file ending before the payload is short (EOFError, as block_io expects)."""
-        item, buf, nbytes = job
+        item, buf, lead, nbytes = job
         try:
             dfd = self._direct_fd(item.fd, os.O_RDONLY)
             fd = item.fd if dfd < 0 else dfd
+            start, need = item.offset - lead, lead + nbytes
             try:
                 done = 0
-                while done < nbytes:
-                    n = self.ops.preadv(fd, buf[done:], item.offset + done)
-                    if n <= 0 or (done + n < nbytes and n % PAGE):
-                        raise EOFError(f"file ended after {item.offset + done + max(n, 0)} bytes, "
-                                       f"{nbytes - done - max(n, 0)} short of the payload")
+                while done < need:
+                    n = self.ops.preadv(fd, buf[done:], start + done)
+                    if n <= 0 or (done + n < need and n % PAGE):
+                        raise EOFError(f"file ended after {start + done + max(n, 0)} bytes, "
+                                       f"{need - done - max(n, 0)} short of the payload's end")
                     done += n
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
+            if lead:
+                item.header[:] = buf[:lead]
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
             return exc
