@@ -71,37 +71,35 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
             if not todo:
                 return out
         out.arena_fallback = len(todo)
-    headers = [BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO, pool.tokens_per_block,
-                           now, parents[i] or ZERO_KEY) for i, csum in zip(todo, sums)]
     opened: list[tuple[int, int, str]] = []  # (index, fd, tmp) not yet published or discarded
     packed: list[bytes] = []  # each opened file's header, written with its payload in one I/O
     try:
-        created = pool.create_tmps([keys[i] for i in todo], headers, write_header=False)
-        for i, header, made in zip(todo, headers, created):
-            if isinstance(made, Exception):  # e.g. PoolError: a directory was replaced by a file
-                out.failed.append((keys[i], _cause(made)))
+        for i, csum in zip(todo, sums):
+            header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
+                                 pool.tokens_per_block, now, parents[i] or ZERO_KEY)
+            try:
+                fd, tmp = pool.create_tmp(keys[i], header, write_header=False)
+            except (OSError, PoolError) as exc:  # PoolError: a directory was replaced by a file
+                out.failed.append((keys[i], _cause(exc)))
                 continue
-            opened.append((i, made[0], made[1]))
+            opened.append((i, fd, tmp))
             packed.append(header.pack())
         errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i], raw)
                                for (i, fd, _), raw in zip(opened, packed)])
-        written = []
-        for (i, fd, tmp), err in zip(opened, errors):
-            if err is None:
-                written.append((i, fd, tmp))
-            else:
+        while opened:
+            (i, fd, tmp), err = opened.pop(0), errors.pop(0)
+            if err is not None:
                 pool.discard_tmp(fd, tmp)
                 out.failed.append((keys[i], _cause(err)))
-        opened = []  # each entry is discarded above or published below (publish removes its temporary name)
-        outcomes = pool.publish_many([(fd, tmp, keys[i]) for i, fd, tmp in written])
-        for (i, _, _), outcome in zip(written, outcomes):
-            if outcome is True:
-                out.published += 1
-                out.bytes_written += pool.payload_len
-            elif outcome is False:
-                out.lost_race += 1
-            else:
-                out.failed.append((keys[i], _cause(outcome)))
+                continue
+            try:
+                if pool.publish(fd, tmp, keys[i]):
+                    out.published += 1
+                    out.bytes_written += pool.payload_len
+                else:
+                    out.lost_race += 1
+            except OSError as exc:
+                out.failed.append((keys[i], _cause(exc)))
     finally:
         # Only reached with entries left when something unexpected escaped (a bug, an interrupt):
         # never leave their temporary files behind.

@@ -21,8 +21,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
 from .pool_format import (HEADER_SIZE, MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
@@ -65,11 +64,8 @@ class BlockPool:
 
     def __init__(self, roots: tuple[str, ...], fingerprint: bytes, payload_len: int, tokens_per_block: int, *,
                  share_group: bool = False, fsync: bool = False, index_ttl_s: float = 5.0,
-                 geometry_note: str = "", ops: FileOps | None = None, refs: bool = False,
-                 file_threads: int = 1) -> None:
-        """``refs``: arena reference files count as present (every owner of the pool runs an arena).
-        ``file_threads``: threads that create and publish a batch's block files (create_tmps,
-        publish_many); 1 runs them on the calling thread."""
+                 geometry_note: str = "", ops: FileOps | None = None, refs: bool = False) -> None:
+        """``refs``: arena reference files count as present (every owner of the pool runs an arena)."""
         if not roots:
             raise PoolError("no pool root configured")
         self.fingerprint = fingerprint
@@ -90,8 +86,6 @@ class BlockPool:
         self.refs = refs
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
-        self._file_pool = (ThreadPoolExecutor(max_workers=file_threads, thread_name_prefix="gdskv-files")
-                           if file_threads > 1 else None)
         for root, fp_dir in zip(self.roots, self.fp_dirs):
             self._check_root(root)
             self._makedirs(fp_dir)
@@ -417,25 +411,6 @@ class BlockPool:
             raise
         return fd, tmp
 
-    def create_tmps(self, keys: list[bytes], headers: list[BlockHeader],
-                    write_header: bool = True) -> list[tuple[int, str] | Exception]:
-        """:meth:`create_tmp` for each key on the file threads, each outcome or its error.
-
-        Creating the inode is the costly metadata step of a block file (160-320 us per create on
-        the CI VM's ext4 against 5-10 us for link or unlink), and creates in the pool's 256 key
-        directories proceed side by side."""
-        return self._map_files(lambda kh: _outcome(self.create_tmp, kh[0], kh[1], write_header),
-                               list(zip(keys, headers)))
-
-    def publish_many(self, items: list[tuple[int, str, bytes]]) -> list[bool | Exception]:
-        """:meth:`publish` of each (fd, tmp, key) on the file threads, each outcome or its error."""
-        return self._map_files(lambda it: _outcome(self.publish, *it), items)
-
-    def _map_files(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        if self._file_pool is None or len(items) <= 1:
-            return [fn(it) for it in items]
-        return list(self._file_pool.map(fn, items))
-
     def publish(self, fd: int, tmp: str, key: bytes) -> bool:
         """Make the temporary file visible under its key; False if another writer won."""
         try:
@@ -557,14 +532,6 @@ class BlockPool:
                        "payload_len": self.payload_len, "tokens_per_block": self.tokens_per_block}, fh)
         os.chmod(tmp, self.file_mode)
         os.replace(tmp, path)
-
-
-def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or the Exception it raised: one block's failure is that block's alone."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - returned to the caller, who counts it per block
-        return exc
 
 
 def _check_key(key: bytes) -> None:

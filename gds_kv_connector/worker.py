@@ -65,8 +65,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.pool = BlockPool(self.settings.roots, my_fp, kv.block_bytes, cfg.tokens_per_block,
                               share_group=self.settings.share_group, fsync=self.settings.fsync,
                               index_ttl_s=self.settings.index_ttl_s, geometry_note=geom.describe(),
-                              ops=self._fileops, refs=self.settings.arena_bytes > 0,
-                              file_threads=self.settings.io_threads)
+                              ops=self._fileops, refs=self.settings.arena_bytes > 0)
         self.pool.cleanup_stale_tmp()
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
                              probe_dir=self.pool.fp_dirs[0], compat_io=self.settings.compat_io)

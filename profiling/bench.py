@@ -499,8 +499,7 @@ class ConnectorRig:
         kvd.restore()  # a fresh engine, as in a fresh process
         self.root = root
         fp = hashlib.sha256(f"gdskv-bench/{tag}/{os.getpid()}/{time.time_ns()}".encode()).digest()
-        self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0, refs=arena_bytes > 0,
-                              file_threads=io_threads)
+        self.pool = BlockPool((root,), fp, payload, TOKENS_PER_BLOCK, index_ttl_s=600.0, refs=arena_bytes > 0)
         # TLLM_GDS_KV_COMPAT_IO, as the worker reads it (the user's to force, like the engine)
         compat_io = Settings.load_from(require_root=False).compat_io
         self.engine = make_engine("auto", device, io_threads, compat_io=compat_io)

@@ -57,36 +57,3 @@ def test_saved_block_round_trips_and_parent_recorded(tmp_path):
     load_blocks(pool, eng, pins, dst, verify=True, retries=0, deadline=1e18)
     assert all(torch.equal(a, b) for a, b in zip(views, dst))
     assert oct(os.stat(pool.path_for(keys[0])).st_mode & 0o777) == "0o600"
-
-
-def test_file_threads_create_and_publish_a_batch_and_one_failure_stays_its_own(tmp_path):
-    import errno
-    import threading
-
-    from gds_kv_connector.fileops import FileOps
-
-    keys = [os.urandom(32) for _ in range(24)]
-    bad = keys[7]
-    seen_threads: set[str] = set()
-
-    class Ops(FileOps):
-        def open(self, path, flags, mode=0o600):
-            if flags & os.O_CREAT:
-                seen_threads.add(threading.current_thread().name)
-                if bad.hex() in path:
-                    raise OSError(errno.ENOSPC, "no space")
-            return super().open(path, flags, mode)
-
-    pool = BlockPool((str(tmp_path),), FP, NBYTES, 16, ops=Ops(), file_threads=4)
-    eng = PosixEngine(2)
-    views = [torch.randint(0, 256, (NBYTES,), dtype=torch.uint8) for _ in keys]
-    out = save_blocks(pool, eng, keys, [b"\0" * 32] * len(keys), views)
-    assert out.published == 23 and out.failed == [(bad, "ENOSPC")]
-    assert any(name.startswith("gdskv-files") for name in seen_threads)  # created on the file threads
-    good = [k for k in keys if k != bad]
-    names = {os.path.join(d, f) for k in keys for d in [os.path.dirname(pool.path_for(k))] for f in os.listdir(d)}
-    assert names == {pool.path_for(k) for k in good}  # every good key published, no temporary name left
-    dst = [torch.empty(NBYTES, dtype=torch.uint8) for _ in good]
-    pins = pin_blocks(pool, good)
-    load_blocks(pool, eng, pins, dst, verify=True, retries=0, deadline=1e18)
-    assert all(torch.equal(views[keys.index(k)], d) for k, d in zip(good, dst))
