@@ -98,8 +98,9 @@ SPECS: tuple[SettingSpec, ...] = (
                 "registered host staging, then one O_DIRECT read or write per file on the I/O threads) or "
                 "kvikio (KvikIO's POSIX path, a CuFile and bounce buffer per file).",
                 _one_of("staged", "kvikio")),
-    SettingSpec("io_threads", 16, int, "Threads moving bytes (POSIX engine pool size, KVIKIO_NTHREADS for "
-                "the kvikio engine).", lambda v: None if 1 <= v <= 256 else "must be 1..256"),
+    SettingSpec("io_threads", 16, int, "Threads moving bytes (POSIX engine pool size, the staged path's "
+                "O_DIRECT reads and writes, KVIKIO_NTHREADS for KvikIO).",
+                lambda v: None if 1 <= v <= 256 else "must be 1..256"),
     SettingSpec("transfer_threads", 4, int, "Threads driving transfer batches (event wait, checksum, "
                 "publish).", lambda v: None if 1 <= v <= 64 else "must be 1..64"),
     SettingSpec("async_load_bytes", 4 << 20, parse_size, "Loads larger than this many bytes are asynchronous "
