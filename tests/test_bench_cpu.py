@@ -111,6 +111,7 @@ def test_bench_host_memory_target_runs_the_arena(tmp_path):
 @pytest.mark.parametrize("script,args,expect", [
     ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
     ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "steady median us"),
+    ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2"], '"create_tmp"'),
 ])
 def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     """The smaller profiling tools the results README cites still run (no GPU needed for these)."""
