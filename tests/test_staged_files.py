@@ -82,6 +82,15 @@ def _create(directory, n, payload):
     return paths, fds
 
 
+def _write(io, items):
+    """Write the items, then close their descriptors (as the pool does before publishing)."""
+    try:
+        return io.write(items)
+    finally:
+        for it in items:
+            os.close(it.fd)
+
+
 def _read(paths, io, views):
     fds = [os.open(p, os.O_RDONLY) for p in paths]
     try:
@@ -152,9 +161,7 @@ def test_a_short_file_fails_alone_and_a_file_ending_in_the_padding_does_not(tmp_
     payload = 24000
     data = torch.randint(0, 256, (3, payload), dtype=torch.uint8)
     paths, fds = _create(str(tmp_path), 3, payload)
-    assert io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None] * 3
-    for fd in fds:
-        os.close(fd)
+    assert _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None] * 3
     os.truncate(paths[0], HEADER + 8192)  # ends before the payload does
     os.truncate(paths[2], HEADER + payload)  # ends after the payload, inside the padding page
     back = torch.zeros_like(data)
@@ -178,9 +185,7 @@ def test_a_failed_copy_fails_its_chunk_only(tmp_path):
     io = _io(reg, stage_bytes=2 * 4096, to_host=flaky)
     data = torch.randint(0, 256, (5, 4096), dtype=torch.uint8)
     paths, fds = _create(str(tmp_path), 5, 4096)
-    errors = io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)])
-    for fd in fds:
-        os.close(fd)
+    errors = _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)])
     assert calls == [2, 2, 1]
     assert errors[0] is None and errors[1] is None and errors[4] is None
     assert all(isinstance(e, RuntimeError) for e in errors[2:4])
@@ -193,9 +198,7 @@ def test_a_bad_descriptor_fails_alone_and_the_rest_is_copied_in(tmp_path):
     io = _io(reg)
     data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
     paths, fds = _create(str(tmp_path), 2, 4096)
-    assert io.write([TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None, None]
-    for fd in fds:
-        os.close(fd)
+    assert _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None, None]
     fd = os.open(paths[1], os.O_RDONLY)
     closed = os.open(paths[1], os.O_RDONLY)
     os.close(closed)
@@ -267,9 +270,7 @@ def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
         paths.append(p)
         fds.append(fd)
     headers = [bytes([0x40 + i]) * HEADER for i in range(3)]
-    errors = io.write([TransferItem(fd, HEADER, data[i], headers[i]) for i, fd in enumerate(fds)])
-    for fd in fds:
-        os.close(fd)
+    errors = _write(io, [TransferItem(fd, HEADER, data[i], headers[i]) for i, fd in enumerate(fds)])
     assert errors == [None] * 3
     assert sorted(ops.pwrites) == [(0, HEADER + align_up(payload))] * 3
     for i, p in enumerate(paths):
@@ -294,9 +295,7 @@ def test_a_header_that_does_not_fill_the_pages_before_the_payload_fails_its_item
     io = _io(reg)
     data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
     paths, fds = _create(str(tmp_path), 2, 4096)
-    errors = io.write([TransferItem(fds[0], HEADER, data[0], b"x" * 100), TransferItem(fds[1], HEADER, data[1])])
-    for fd in fds:
-        os.close(fd)
+    errors = _write(io, [TransferItem(fds[0], HEADER, data[0], b"x" * 100), TransferItem(fds[1], HEADER, data[1])])
     assert isinstance(errors[0], ValueError) and errors[1] is None
     assert open(paths[1], "rb").read()[HEADER:] == data[1].numpy().tobytes()
     io.close()
