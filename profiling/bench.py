@@ -363,9 +363,18 @@ def _o_direct_ok(dirpath: str) -> tuple[bool, str]:
 
 
 def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: float, write: bool,
-                 written: list[int] | None, pattern: bytes) -> tuple[list[int], float]:
+                 written: list[int] | None, pattern: bytes, one_file: bool = False) -> tuple[list[int], float]:
+    """``streams`` threads, each moving its share in RAW_CHUNK calls: to a file of its own, or with
+    ``one_file`` to interleaved chunks of one shared file (thread k takes chunks k, k+streams, ...),
+    which keeps the device's accesses near-sequential with ``streams`` of them in flight."""
     per = max(RAW_CHUNK, (total // streams) // RAW_CHUNK * RAW_CHUNK)
-    paths = [os.path.join(dirpath, f"raw-{streams}-{k}") for k in range(streams)]
+    if one_file:
+        shared = os.path.join(dirpath, f"raw-{streams}-one-file")
+        paths = [shared] * streams
+        if write:
+            os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+    else:
+        paths = [os.path.join(dirpath, f"raw-{streams}-{k}") for k in range(streams)]
     done = [0] * streams
     errors: list[BaseException] = []
     barrier = threading.Barrier(streams + 1)
@@ -377,7 +386,7 @@ def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: fl
         try:
             if write:
                 buf.write(pattern)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                flags = os.O_WRONLY if one_file else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             else:
                 flags = os.O_RDONLY
             fd = os.open(paths[k], flags | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
@@ -385,7 +394,9 @@ def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: fl
             barrier.wait()
             pos = 0
             while pos < limit and time.monotonic() < deadline[0]:
-                n = os.pwrite(fd, buf, pos) if write else os.preadv(fd, [buf], pos)
+                # this thread's pos-th byte: in its own file, or in its own chunks of the shared one
+                at = (pos // RAW_CHUNK * streams + k) * RAW_CHUNK + pos % RAW_CHUNK if one_file else pos
+                n = os.pwrite(fd, buf, at) if write else os.preadv(fd, [buf], at)
                 if n <= 0:
                     break
                 pos += n
@@ -426,33 +437,42 @@ def raw_storage_ceiling(name: str, dirpath: str, streams_list: list[int], total:
     pattern = os.urandom(RAW_CHUNK)
     res: dict[str, Any] = {"dir": dirpath, "fs": fs_type(dirpath), "io": how, "o_direct": direct,
                            "chunk_bytes": RAW_CHUNK, "bytes_per_test": total,
-                           "write": {"by_streams": {}}, "read": {"by_streams": {}}}
+                           "write": {"by_streams": {}, "one_file_by_streams": {}},
+                           "read": {"by_streams": {}, "one_file_by_streams": {}}}
     try:
         for s in streams_list:
-            progress(f"raw {name} x{s}")
-            with tracer.rf(f"bench/ceiling/raw_{name}_write_x{s}"):
-                done, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), True, None, pattern)
-            budget.phases_left -= 1
-            res["write"]["by_streams"][str(s)] = {"bytes": sum(done), "seconds": round(secs, 4),
-                                                  "GBps": round(gbps(sum(done), secs), 3)}
-            if not is_memory:
-                drop_caches([raw_dir], global_drop)
-            with tracer.rf(f"bench/ceiling/raw_{name}_read_x{s}"):
-                got, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), False, done, pattern)
-            budget.phases_left -= 1
-            res["read"]["by_streams"][str(s)] = {"bytes": sum(got), "seconds": round(secs, 4),
-                                                 "GBps": round(gbps(sum(got), secs), 3)}
-            for f in os.listdir(raw_dir):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(raw_dir, f))
+            for one_file in ((False, True) if s > 1 else (False,)):
+                key, tag = ("one_file_by_streams", f"x{s}_one_file") if one_file else ("by_streams", f"x{s}")
+                progress(f"raw {name} {tag}")
+                with tracer.rf(f"bench/ceiling/raw_{name}_write_{tag}"):
+                    done, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), True, None, pattern, one_file)
+                budget.phases_left -= 1
+                res["write"][key][str(s)] = {"bytes": sum(done), "seconds": round(secs, 4),
+                                             "GBps": round(gbps(sum(done), secs), 3)}
+                if not is_memory:
+                    drop_caches([raw_dir], global_drop)
+                with tracer.rf(f"bench/ceiling/raw_{name}_read_{tag}"):
+                    got, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), False, done, pattern, one_file)
+                budget.phases_left -= 1
+                res["read"][key][str(s)] = {"bytes": sum(got), "seconds": round(secs, 4),
+                                            "GBps": round(gbps(sum(got), secs), 3)}
+                for f in os.listdir(raw_dir):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(raw_dir, f))
     finally:
         shutil.rmtree(raw_dir, ignore_errors=True)
     for d in ("write", "read"):
-        by = res[d]["by_streams"]
-        if by:
-            s_best = max(by, key=lambda k: by[k]["GBps"])
-            res[d]["best_GBps"], res[d]["best_streams"] = by[s_best]["GBps"], int(s_best)
+        legs = [(v["GBps"], int(s), layout) for layout, key in (("files", "by_streams"), ("one file", "one_file_by_streams"))
+                for s, v in res[d][key].items()]
+        if legs:
+            best = max(legs)
+            res[d]["best_GBps"], res[d]["best_streams"], res[d]["best_layout"] = best
     return res
+
+
+def raw_phases(streams_list: list[int]) -> int:
+    """Timed phases of one target's raw sweep: write and read per stream count and layout."""
+    return 2 * sum(2 if s > 1 else 1 for s in streams_list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1154,6 +1174,12 @@ def evaluate_goals(res: dict) -> list[dict]:
     return goals
 
 
+def _raw_leg(d: dict) -> str:
+    """Which raw leg gave a direction's ceiling: ``x4`` (files of their own) or ``x4 one file``."""
+    s = d.get("best_streams", "?")
+    return f"x{s} one file" if d.get("best_layout") == "one file" else f"x{s}"
+
+
 def render_table(res: dict) -> str:
     L: list[str] = []
     meta = res["meta"]
@@ -1174,8 +1200,8 @@ def render_table(res: dict) -> str:
         L.append("  pinned copy          (no CUDA)")
     for t, r in res["ceilings"]["storage"].items():
         w, rd = r.get("write", {}), r.get("read", {})
-        L.append(f"  raw {t:<6} {r['io'][:30]:<30} write {w.get('best_GBps', 0):7.2f} (x{w.get('best_streams', '?')})"
-                 f"   read {rd.get('best_GBps', 0):7.2f} (x{rd.get('best_streams', '?')})")
+        L.append(f"  raw {t:<6} {r['io'][:30]:<30} write {w.get('best_GBps', 0):7.2f} ({_raw_leg(w)})"
+                 f"   read {rd.get('best_GBps', 0):7.2f} ({_raw_leg(rd)})")
     L.append("")
     hdr = (f"  {'target':<6} {'dir':<4} {'block':>6} {'conn':>8} {'ceiling':>8} {'%ceil':>6} "
            f"{'trtllm':>8} {'x':>7} {'kvikio':>8} {'x':>6}  notes")
@@ -1440,7 +1466,7 @@ def main(argv: list[str] | None = None) -> int:
 
     has_kvikio = cuda and kvd.kv is not None
     n_methods = (0 if args.no_baselines else 1 + int(has_kvikio))
-    budget.phases_left = (1 + len(targets) * len(streams) * 2
+    budget.phases_left = (1 + len(targets) * raw_phases(streams)
                           + len(targets) * len(sizes) * 2 * (args.repeat + n_methods)
                           + (0 if args.no_executor else 2) + (1 if cuda and not args.no_overlap else 0))
     steps = (int(cuda) + len(targets) + len(targets) * len(sizes) + (0 if args.no_executor else 2)

@@ -35,9 +35,27 @@ def test_bench_writes_ceilings(bench_result):
     assert set(storage) == {"shm", "disk"}
     for target in storage.values():
         for direction in ("write", "read"):
-            assert target[direction]["best_GBps"] > 0
-            assert target[direction]["by_streams"]
+            d = target[direction]
+            assert d["best_GBps"] > 0
+            assert set(d["by_streams"]) == {"1", "2", "4"} and set(d["one_file_by_streams"]) == {"2", "4"}
+            legs = [v["GBps"] for key in ("by_streams", "one_file_by_streams") for v in d[key].values()]
+            assert d["best_GBps"] == max(legs) and d["best_layout"] in ("files", "one file")
     assert res["ceilings"]["pinned_copy"] is None  # no CUDA here
+
+
+def test_raw_one_file_streams_interleave_their_chunks(tmp_path, monkeypatch):
+    """Every byte of the shared file is written once, by the thread whose chunk it is, and read back."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
+    pattern = bytes(range(256)) * 16
+    done, _ = bench._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, True, None, pattern, True)
+    assert done == [5 * 4096] * 3
+    data = open(tmp_path / "raw-3-one-file", "rb").read()
+    assert len(data) == 15 * 4096 and data == pattern * 15
+    got, _ = bench._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, False, done, pattern, True)
+    assert got == done
 
 
 def test_bench_writes_baselines_and_connector_rows(bench_result):
