@@ -73,6 +73,12 @@ def test_bench_writes_baselines_and_connector_rows(bench_result):
                 assert row["checksums"] is True and row["engine"].startswith("posix")
                 assert row["ceiling_GBps"] and row["ratio_to_ceiling"] > 0
                 assert row["x_trtllm_example"] > 0
+                if target == "disk" and res["ceilings"]["storage"]["disk"]["o_direct"]:
+                    # the sweep's best leg measured again beside the row, and the ratio to it
+                    assert row["raw_beside_GBps"] > 0
+                    assert row["ratio_to_raw_beside"] == round(row["GBps"] / row["raw_beside_GBps"], 4)
+                else:
+                    assert row.get("raw_beside_GBps") is None and row["ratio_to_raw_beside"] is None
                 base = [r for r in res["baselines"] if r["target"] == target and r["block_bytes"] == size
                         and r["direction"] == direction and r["method"] == "trtllm_example"]
                 assert len(base) == 1 and base[0]["GBps"] > 0
