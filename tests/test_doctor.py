@@ -68,3 +68,26 @@ def test_cufile_json_follows_the_environment(tmp_path, monkeypatch):
     report = doctor_report(None, probe=False)
     assert report["cufile_json"] == {"path": str(cfg), "exists": True, "source": "CUFILE_ENV_PATH_JSON"}
     assert report["env"]["CUFILE_ENV_PATH_JSON"] == str(cfg)
+
+
+@pytest.mark.parametrize("compat_io,prefix", [("staged", "staged-direct"), ("kvikio", "kvikio-posix")])
+def test_verdict_names_who_moves_files_without_gds(compat_io, prefix):
+    """Where KvikIO would take its POSIX path, the verdict names the path TLLM_GDS_KV_COMPAT_IO picks."""
+    from gds_kv_connector.doctor import _verdict
+
+    base = {"torch": {"cuda_available": True}, "run_udev_readable": False, "roots": [], "compat_io": compat_io,
+            "kvikio": {"importable": True, "compat_mode_preferred": True, "compat_mode": "AUTO"},
+            "probe": {"ran": False, "ok": None, "reason": ""}}
+    assert _verdict(base).startswith(f"{prefix} (KVIKIO_COMPAT_MODE=AUTO chose KvikIO's POSIX path: /run/udev")
+    on = {**base, "kvikio": {**base["kvikio"], "compat_mode": "ON"}}
+    assert _verdict(on) == f"{prefix} (KVIKIO_COMPAT_MODE=ON)"
+    fallback = {**base, "kvikio": {"importable": True, "compat_mode_preferred": False},
+                "probe": {"ran": True, "ok": False, "reason": "file descriptor is not registered"}}
+    assert _verdict(fallback) == f"{prefix} (fallback: file descriptor is not registered)"
+
+
+def test_compat_io_is_read_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TLLM_GDS_KV_COMPAT_IO", "kvikio")
+    assert doctor_report(str(tmp_path), probe=False)["compat_io"] == "kvikio"
+    monkeypatch.setenv("TLLM_GDS_KV_COMPAT_IO", "bogus")
+    assert doctor_report(str(tmp_path), probe=False)["compat_io"].startswith("invalid (")
