@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -19,7 +20,7 @@ def test_missing_root_is_one_clear_line():
 @pytest.mark.parametrize("name,value,msg", [("IO_THREADS", "0", "1..256"), ("DEADLINE_S", "-1", "> 0"),
                                             ("ASYNC_LOAD_BYTES", "lots", "byte size"), ("ENGINE", "gpu", "one of"),
                                             ("LOW_WATERMARK", "1.5", "between"), ("FSYNC", "maybe", "boolean"),
-                                            ("ADMISSION", "seen:0", "seen:N")])
+                                            ("ADMISSION", "seen:0", "seen:N"), ("COMPAT_IO", "cufile", "one of")])
 def test_bad_values_fail_with_the_variable_named(name, value, msg):
     with pytest.raises(SettingsError, match=f"TLLM_GDS_KV_{name}.*{msg}|{msg}"):
         Settings.load_from(env={"TLLM_GDS_KV_ROOT": "/x", f"TLLM_GDS_KV_{name}": value})
@@ -46,4 +47,6 @@ def test_config_file_and_env_precedence(tmp_path):
 
 def test_every_setting_is_documented():
     assert all(s.doc and s.env.startswith("TLLM_GDS_KV_") for s in SPECS)
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert [s.env for s in SPECS if f"`{s.env}`" not in readme] == []  # every variable has its README row
     assert parse_size("256KiB") == 262144 and parse_size("4M") == 4 << 20
