@@ -78,7 +78,7 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
             header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
                                  pool.tokens_per_block, now, parents[i] or ZERO_KEY)
             try:
-                fd, tmp = pool.create_tmp(keys[i], header, write_header=False)
+                fd, tmp = pool.create_tmp(keys[i], None)  # the header goes with the payload
             except (OSError, PoolError) as exc:  # PoolError: a directory was replaced by a file
                 out.failed.append((keys[i], _cause(exc)))
                 continue

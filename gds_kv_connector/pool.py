@@ -320,12 +320,6 @@ class BlockPool:
                 self.discard_tmp(-1, tmp)
         return out
 
-    def read_header(self, pin: Pin) -> BlockHeader:
-        """Read and check the header; a short read is retried (read_exact), never taken as corrupt."""
-        raw = bytearray(HEADER_SIZE)
-        read_exact(self.ops, pin.fd, raw, 0)
-        return self.check_header(pin, raw)
-
     def check_header(self, pin: Pin, raw: bytes | bytearray) -> BlockHeader:
         """Parse a pinned block's header bytes (read with its payload) and check them against the
         pool and the key; raises FormatError."""
@@ -383,10 +377,10 @@ class BlockPool:
         return None
 
     # -- writing ----------------------------------------------------------------------------------
-    def create_tmp(self, key: bytes, header: BlockHeader, write_header: bool = True) -> tuple[int, str]:
+    def create_tmp(self, key: bytes, header: BlockHeader | None) -> tuple[int, str]:
         """Create the temporary file of a block and write its header; payload follows at HEADER_SIZE.
 
-        ``write_header=False`` leaves the header page to the caller, who writes it with the payload
+        ``header=None`` leaves the header page to the caller, who writes it with the payload
         (``TransferItem.header``) in one I/O."""
         d = self.dir_for(key)
         self._makedirs(d)
@@ -402,7 +396,7 @@ class BlockPool:
         try:
             if self.file_mode & 0o077:
                 self.ops.fchmod(fd, self.file_mode)  # the umask must not take the group bits away
-            if write_header:
+            if header is not None:
                 write_all(self.ops, fd, header.pack(), 0)
             if self.payload_len % PAGE:
                 self.ops.ftruncate(fd, self.file_size)  # the zero padding readers expect

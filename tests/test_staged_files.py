@@ -263,7 +263,7 @@ def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
     io = _io(reg, ops=ops)
     data = torch.randint(0, 256, (3, payload), dtype=torch.uint8)
     paths, fds = [], []
-    for i in range(3):  # as pool.create_tmp(write_header=False) leaves them: size only
+    for i in range(3):  # as pool.create_tmp(key, None) leaves them: size only
         p = os.path.join(str(tmp_path), f"b{i}")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
         os.ftruncate(fd, HEADER + align_up(payload))

@@ -7,6 +7,7 @@ host pool, GPU for a device pool).  Calls block the calling transfer thread, nev
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ def header_io(item: TransferItem, write: bool, pwrite, preadv) -> None:
         n = pwrite(item.fd, buf[done:], done) if write else preadv(item.fd, buf[done:], done)
         if n <= 0:
             if write:
-                raise OSError(5, f"pwrite wrote {n} bytes at offset {done}")
+                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {done}")
             raise EOFError(f"file ended after {done} bytes, inside its header")
         done += n
 
