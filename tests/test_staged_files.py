@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import shutil
 import tempfile
 
@@ -200,11 +201,11 @@ def test_a_bad_descriptor_fails_alone_and_the_rest_is_copied_in(tmp_path):
     paths, fds = _create(str(tmp_path), 2, 4096)
     assert _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None, None]
     fd = os.open(paths[1], os.O_RDONLY)
-    closed = os.open(paths[1], os.O_RDONLY)
-    os.close(closed)
+    # a number no descriptor can have (a closed one could be reused by the other item's O_DIRECT reopen)
+    never_open = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     back = torch.zeros_like(data)
     try:
-        errors = io.read([TransferItem(closed, HEADER, back[0]), TransferItem(fd, HEADER, back[1])])
+        errors = io.read([TransferItem(never_open, HEADER, back[0]), TransferItem(fd, HEADER, back[1])])
     finally:
         os.close(fd)
     assert isinstance(errors[0], OSError) and errors[1] is None
