@@ -24,11 +24,14 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _run_batches  # noqa: E402
 
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
@@ -63,27 +66,6 @@ class StepClock:
         out = {k: round(v, 3) for k, v in self.acc.items()}
         self.acc.clear()
         return out
-
-
-def run_batches(batches: list[list[int]], fn: Callable[[list[int]], Any], threads: int) -> float:
-    it = iter(batches)
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                batch = next(it, None)
-            if batch is None:
-                return
-            fn(batch)
-
-    ths = [threading.Thread(target=worker) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join()
-    return time.perf_counter() - t0
 
 
 def drop_page_cache() -> bool:
@@ -123,27 +105,28 @@ def main() -> None:
         keys = [os.urandom(32) for _ in range(n)]
         batches = [list(range(i, min(n, i + batch))) for i in range(0, n, batch)]
 
-        def save(b: list[int]) -> None:
+        def save(b: list[int]) -> int:
             out = save_blocks(pool, engine, [keys[i] for i in b], [ZERO_KEY] * len(b), [views[i] for i in b])
             if out.failed:
                 raise RuntimeError(f"{len(out.failed)} saves failed, first: {out.failed[0][1]}")
+            return out.bytes_written
 
-        def load(b: list[int]) -> None:
+        def load(b: list[int]) -> int:
             pins = pin_blocks(pool, [keys[i] for i in b])
             try:
-                load_blocks(pool, engine, pins, [views[i] for i in b], verify=True, retries=1,
-                            deadline=time.monotonic() + 60)
+                return load_blocks(pool, engine, pins, [views[i] for i in b], verify=True, retries=1,
+                                   deadline=time.monotonic() + 60)
             finally:
                 for p in pins:
                     pool.unpin(p)
 
-        save_s = run_batches(batches, save, a.transfer_threads)
+        _, save_s, _, _ = _run_batches(batches, save, a.transfer_threads, float("inf"))
         t0 = time.perf_counter()
         os.sync()
         sync_s = time.perf_counter() - t0
         save_steps = clock.take()
         cold = drop_page_cache()
-        load_s = run_batches(batches, load, a.transfer_threads)
+        _, load_s, _, _ = _run_batches(batches, load, a.transfer_threads, float("inf"))
         print(json.dumps({
             "data_path": engine.data_path(), "block": size, "blocks": n, "transfer_threads": a.transfer_threads,
             "io_threads": a.io_threads, "save_GBps": round(n * size / (save_s + sync_s) / 1e9, 3),

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from gds_kv_connector.engines.base import TransferItem
-from gds_kv_connector.engines.staged_files import StagedFileIo, align_up, plan_chunks
+from gds_kv_connector.engines.staged_files import StagedFileIo, plan_chunks
 from gds_kv_connector.fileops import FileOps
+from gds_kv_connector.pool_format import PAGE, align_up
 
 HEADER = 4096
 
@@ -77,7 +78,7 @@ def _create(directory, n, payload):
         p = os.path.join(directory, f"b{i}")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.pwrite(fd, bytes([i + 1]) * HEADER, 0)
-        os.ftruncate(fd, HEADER + align_up(payload))
+        os.ftruncate(fd, HEADER + align_up(payload, PAGE))
         paths.append(p)
         fds.append(fd)
     return paths, fds
@@ -113,7 +114,7 @@ def test_plan_chunks_fills_the_stage_and_grows_for_a_large_block():
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "refused"])
 def test_round_trip_keeps_header_writes_padding_and_reads_back(directory, payload, direct):
     reg = _Registry()
-    io = _io(reg, stage_bytes=3 * align_up(payload), ops=None if direct else _NoDirect())
+    io = _io(reg, stage_bytes=3 * align_up(payload, PAGE), ops=None if direct else _NoDirect())
     data = torch.randint(0, 256, (7, payload), dtype=torch.uint8)
     paths, fds = _create(directory, 7, payload)
     try:
@@ -124,10 +125,10 @@ def test_round_trip_keeps_header_writes_padding_and_reads_back(directory, payloa
     assert errors == [None] * 7
     for i, p in enumerate(paths):
         raw = open(p, "rb").read()
-        assert len(raw) == HEADER + align_up(payload)
+        assert len(raw) == HEADER + align_up(payload, PAGE)
         assert raw[:HEADER] == bytes([i + 1]) * HEADER
         assert raw[HEADER:HEADER + payload] == data[i].numpy().tobytes()
-        assert raw[HEADER + payload:] == bytes(align_up(payload) - payload)
+        assert raw[HEADER + payload:] == bytes(align_up(payload, PAGE) - payload)
     back = torch.zeros_like(data)
     assert _read(paths, io, list(back)) == [None] * 7
     assert torch.equal(back, data)
@@ -184,8 +185,8 @@ def test_a_failed_copy_fails_its_chunk_only(tmp_path):
         _to_host(pairs, pitch)
 
     io = _io(reg, stage_bytes=2 * 4096, to_host=flaky)
-    data = torch.randint(0, 256, (5, 4096), dtype=torch.uint8)
-    paths, fds = _create(str(tmp_path), 5, 4096)
+    data = torch.randint(0, 256, (5, PAGE), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 5, PAGE)
     errors = _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)])
     assert calls == [2, 2, 1]
     assert errors[0] is None and errors[1] is None and errors[4] is None
@@ -197,8 +198,8 @@ def test_a_failed_copy_fails_its_chunk_only(tmp_path):
 def test_a_bad_descriptor_fails_alone_and_the_rest_is_copied_in(tmp_path):
     reg = _Registry()
     io = _io(reg)
-    data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
-    paths, fds = _create(str(tmp_path), 2, 4096)
+    data = torch.randint(0, 256, (2, PAGE), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 2, PAGE)
     assert _write(io, [TransferItem(fd, HEADER, data[i]) for i, fd in enumerate(fds)]) == [None, None]
     fd = os.open(paths[1], os.O_RDONLY)
     # a number no descriptor can have (a closed one could be reused by the other item's O_DIRECT reopen)
@@ -218,10 +219,10 @@ def test_stage_is_per_thread_and_released_at_close(tmp_path):
 
     reg = _Registry()
     io = _io(reg, stage_bytes=8192)
-    data = torch.randint(0, 256, (4, 4096), dtype=torch.uint8)
+    data = torch.randint(0, 256, (4, PAGE), dtype=torch.uint8)
 
     def save(i):
-        paths, fds = _create(str(tmp_path / f"t{i}"), 2, 4096)
+        paths, fds = _create(str(tmp_path / f"t{i}"), 2, PAGE)
         io.write([TransferItem(fd, HEADER, data[2 * (i % 2) + k]) for k, fd in enumerate(fds)])
         for fd in fds:
             os.close(fd)
@@ -267,16 +268,16 @@ def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
     for i in range(3):  # as pool.create_tmp(key, None) leaves them: size only
         p = os.path.join(str(tmp_path), f"b{i}")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
-        os.ftruncate(fd, HEADER + align_up(payload))
+        os.ftruncate(fd, HEADER + align_up(payload, PAGE))
         paths.append(p)
         fds.append(fd)
     headers = [bytes([0x40 + i]) * HEADER for i in range(3)]
     errors = _write(io, [TransferItem(fd, HEADER, data[i], headers[i]) for i, fd in enumerate(fds)])
     assert errors == [None] * 3
-    assert sorted(ops.pwrites) == [(0, HEADER + align_up(payload))] * 3
+    assert sorted(ops.pwrites) == [(0, HEADER + align_up(payload, PAGE))] * 3
     for i, p in enumerate(paths):
         raw = open(p, "rb").read()
-        assert raw == headers[i] + data[i].numpy().tobytes() + bytes(align_up(payload) - payload)
+        assert raw == headers[i] + data[i].numpy().tobytes() + bytes(align_up(payload, PAGE) - payload)
     back = torch.zeros_like(data)
     got = [bytearray(HEADER) for _ in range(3)]
     fds = [os.open(p, os.O_RDONLY) for p in paths]
@@ -286,7 +287,7 @@ def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
         for fd in fds:
             os.close(fd)
     assert errors == [None] * 3
-    assert sorted(ops.preads) == [(0, HEADER + align_up(payload))] * 3
+    assert sorted(ops.preads) == [(0, HEADER + align_up(payload, PAGE))] * 3
     assert [bytes(g) for g in got] == headers and torch.equal(back, data)
     io.close()
 
@@ -294,8 +295,8 @@ def test_header_and_payload_move_in_one_io_per_file(tmp_path, payload):
 def test_a_header_that_does_not_fill_the_pages_before_the_payload_fails_its_item(tmp_path):
     reg = _Registry()
     io = _io(reg)
-    data = torch.randint(0, 256, (2, 4096), dtype=torch.uint8)
-    paths, fds = _create(str(tmp_path), 2, 4096)
+    data = torch.randint(0, 256, (2, PAGE), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 2, PAGE)
     errors = _write(io, [TransferItem(fds[0], HEADER, data[0], b"x" * 100), TransferItem(fds[1], HEADER, data[1])])
     assert isinstance(errors[0], ValueError) and errors[1] is None
     assert open(paths[1], "rb").read()[HEADER:] == data[1].numpy().tobytes()

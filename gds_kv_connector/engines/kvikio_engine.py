@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from ..fileops import FileOps
 from .base import IoEngine, TransferItem, header_io
 from .host_dma import CudaHostDma
 from .staged_files import StagedFileIo
 
 log = logging.getLogger(__name__)
+_OPS = FileOps()  # the header's own I/O beside KvikIO's payload I/O
 
 DEFAULT_TASK_SIZE = 4 << 20
 PROBE_TIMEOUT_S = 20.0
@@ -242,7 +244,7 @@ class KvikioEngine(IoEngine):
             for i, item in enumerate(items):
                 try:
                     view = _byte_view(item.view)
-                    header_io(item, write, os.pwrite, _preadv)
+                    header_io(item, write, _OPS.pwrite, _OPS.preadv)
                     # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
                     # reopening the same inode through /proc lets KvikIO open it its own way.
                     handle = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
@@ -282,19 +284,14 @@ class KvikioEngine(IoEngine):
         """The staged O_DIRECT path, where KvikIO would take its POSIX path and it is not opted out."""
         if self._staged is None and self._compat_io == "staged" and (
                 self._fallback is not None or self._kvikio.defaults.is_compat_mode_preferred()):
+            dma = self._dma()
             with self._probe_lock:
                 if self._staged is None:
-                    dma = self._host_dma or CudaHostDma(self.device)
-                    self._host_dma = dma
                     self._staged = StagedFileIo(
                         lambda pairs, pitch: dma.copy(pairs, pitch, to_host=True),
                         lambda pairs, pitch: dma.copy(pairs, pitch, to_host=False),
                         dma.register, dma.unregister, self._io_threads)
         return self._staged
-
-
-def _preadv(fd: int, buf: memoryview, offset: int) -> int:
-    return os.preadv(fd, [buf], offset)
 
 
 def _apply_compat_env(kvikio: Any) -> None:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..fileops import FileOps, write_all
-from ..pool_format import PAGE
+from ..pool_format import PAGE, align_up
 from .base import TransferItem
 
 DEFAULT_STAGE_BYTES = 64 << 20
@@ -39,16 +39,12 @@ RegisterFn = Callable[[int, int, bool], None]
 UnregisterFn = Callable[[int], None]
 
 
-def align_up(n: int, to: int = PAGE) -> int:
-    return -(-n // to) * to
-
-
 def plan_chunks(sizes: list[int], stage_bytes: int) -> tuple[int, list[range]]:
     """Slot pitch (the largest payload, page-aligned) and the item ranges that fit the stage
     together; a stage smaller than one slot still takes one item at a time (it is grown)."""
     if not sizes:
         return PAGE, []
-    pitch = align_up(max(max(sizes), 1))
+    pitch = align_up(max(max(sizes), 1), PAGE)
     per = max(1, stage_bytes // pitch)
     n = len(sizes)
     return pitch, [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
@@ -82,7 +78,7 @@ class StagedFileIo:
             raise ValueError(f"stage_bytes must be at least {PAGE}, got {stage_bytes}")
         self._to_host, self._from_host = copy_to_host, copy_from_host
         self._register, self._unregister = register, unregister
-        self._stage_bytes = align_up(stage_bytes)
+        self._stage_bytes = align_up(stage_bytes, PAGE)
         self.ops = ops or FileOps()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-staged")
         self._local = threading.local()
@@ -113,7 +109,7 @@ class StagedFileIo:
             if lead and (len(it.header) != lead or lead % PAGE):
                 results[i] = ValueError(f"a header of {len(it.header)} bytes at payload offset {it.offset} "
                                         "cannot join the payload's I/O (it must fill whole pages before it)")
-        pitch, chunks = plan_chunks([lead + align_up(n) for lead, n in zip(leads, sizes)], self._stage_bytes)
+        pitch, chunks = plan_chunks([lead + align_up(n, PAGE) for lead, n in zip(leads, sizes)], self._stage_bytes)
         if not chunks:
             return results
         stage = self._stage(pitch * len(chunks[0]))
@@ -129,7 +125,7 @@ class StagedFileIo:
                     for i in chunk:
                         results[i] = exc
                     continue
-            jobs = [(items[i], stage.view[k * pitch:k * pitch + leads[i] + align_up(sizes[i])], leads[i], sizes[i])
+            jobs = [(items[i], stage.view[k * pitch:k * pitch + leads[i] + align_up(sizes[i], PAGE)], leads[i], sizes[i])
                     for k, i in enumerate(chunk)]
             fn = self._write_one if write else self._read_one
             errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]

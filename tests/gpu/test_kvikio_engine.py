@@ -18,6 +18,7 @@ import torch
 
 from gds_kv_connector.checksum import checksum_bytes
 from gds_kv_connector.engines.base import TransferItem
+from gds_kv_connector.pool_format import align_up
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,7 +63,7 @@ def _save(engine, directory: str, views: list[torch.Tensor]) -> tuple[list[str],
         path = os.path.join(directory, f"block{i}")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.pwrite(fd, bytes([i % 256]) * HEADER, 0)
-        os.ftruncate(fd, HEADER + _padded(views[i].numel() * views[i].element_size()))
+        os.ftruncate(fd, HEADER + align_up(views[i].numel() * views[i].element_size(), 4096))
         paths.append(path)
         fds.append(fd)
     try:
@@ -71,10 +72,6 @@ def _save(engine, directory: str, views: list[torch.Tensor]) -> tuple[list[str],
         for fd in fds:
             os.close(fd)
     return paths, errors
-
-
-def _padded(n: int) -> int:
-    return -(-n // 4096) * 4096
 
 
 def _load(engine, paths: list[str], views: list[torch.Tensor]) -> list[BaseException | None]:
@@ -111,10 +108,10 @@ def test_round_trip(engine, pool_dir, kind, block_elems):
     paths, errors = _save(engine, pool_dir, views)
     assert errors == [None] * len(views)
     for i, (path, view) in enumerate(zip(paths, views)):
-        assert os.path.getsize(path) == HEADER + _padded(view.numel())
+        assert os.path.getsize(path) == HEADER + align_up(view.numel(), 4096)
         with open(path, "rb") as f:
             assert f.read(HEADER) == bytes([i % 256]) * HEADER, "the payload write must keep the header"
-        assert _payload(path) == bytes(view.cpu().numpy()) + bytes(_padded(view.numel()) - view.numel())
+        assert _payload(path) == bytes(view.cpu().numpy()) + bytes(align_up(view.numel(), 4096) - view.numel())
     back = torch.zeros_like(pool)
     back_views = [_block_bytes(back, b) for b in range(back.shape[0])]
     assert _load(engine, paths, back_views) == [None] * len(views)
