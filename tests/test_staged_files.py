@@ -301,3 +301,73 @@ def test_a_header_that_does_not_fill_the_pages_before_the_payload_fails_its_item
     assert isinstance(errors[0], ValueError) and errors[1] is None
     assert open(paths[1], "rb").read()[HEADER:] == data[1].numpy().tobytes()
     io.close()
+
+
+def test_plan_runs_joins_adjacent_slots_of_one_file_up_to_the_io_limit():
+    from gds_kv_connector.engines.staged_files import plan_runs
+
+    pitch = 3 * PAGE
+    # four adjacent slots of fd 5, then a gap, then fd 6, then fd 6 again adjacent
+    spans = [(5, 0, pitch), (5, pitch, pitch), (5, 2 * pitch, pitch), (5, 3 * pitch, pitch),
+             (5, 5 * pitch, pitch), (6, 6 * pitch, pitch), (6, 7 * pitch, pitch)]
+    assert plan_runs(spans, pitch, 1 << 30) == [(0, 4), (4, 5), (5, 7)]
+    assert plan_runs(spans, pitch, 2 * pitch) == [(0, 2), (2, 4), (4, 5), (5, 7)]
+    assert plan_runs(spans, pitch, 1) == [(k, k + 1) for k in range(7)]  # a slot larger than the limit goes alone
+    # a slot shorter than the pitch (a smaller block) ends its run: the next one is not beside it in the stage
+    assert plan_runs([(5, 0, PAGE), (5, PAGE, pitch)], pitch, 1 << 30) == [(0, 1), (1, 2)]
+    assert plan_runs([], pitch, 1 << 30) == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_adjacent_slots_of_one_file_move_in_one_io_each_way(tmp_path, direct):
+    """Arena slabs on disk: slots saved together are written and read with one I/O per run,
+    each slot keeping its own header and payload at slot * slot_bytes."""
+    reg = _Registry()
+    ops = _Counting() if direct else type("_CountingNoDirect", (_Counting, _NoDirect), {})()
+    payload = 2 * PAGE
+    slot = HEADER + payload
+    io = StagedFileIo(_to_host, _from_host, reg.register, reg.unregister, io_threads=3, stage_bytes=1 << 20,
+                      ops=ops, max_io_bytes=3 * slot)
+    n = 7
+    path = os.path.join(str(tmp_path), "slab")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 10 * slot)
+        data = torch.randint(0, 256, (n, payload), dtype=torch.uint8)
+        headers = [bytes([0x60 + i]) * HEADER for i in range(n)]
+        slots = [1, 2, 3, 4, 5, 8, 9]  # a run of five (cut to three + two by the limit), a gap, a run of two
+        errors = io.write([TransferItem(fd, s * slot + HEADER, data[i], headers[i]) for i, s in enumerate(slots)])
+        assert errors == [None] * n
+        assert sorted(ops.pwrites) == [(1 * slot, 3 * slot), (4 * slot, 2 * slot), (8 * slot, 2 * slot)]
+        raw = open(path, "rb").read()
+        for i, s in enumerate(slots):
+            assert raw[s * slot:(s + 1) * slot] == headers[i] + data[i].numpy().tobytes()
+        assert raw[:slot] == bytes(slot) and raw[6 * slot:8 * slot] == bytes(2 * slot)
+        back = torch.zeros_like(data)
+        got = [bytearray(HEADER) for _ in range(n)]
+        errors = io.read([TransferItem(fd, s * slot + HEADER, back[i], got[i]) for i, s in enumerate(slots)])
+        assert errors == [None] * n
+        assert sorted(ops.preads) == [(1 * slot, 3 * slot), (4 * slot, 2 * slot), (8 * slot, 2 * slot)]
+        assert [bytes(g) for g in got] == headers and torch.equal(back, data)
+    finally:
+        os.close(fd)
+        io.close()
+
+
+def test_a_run_that_reads_past_the_end_fails_every_slot_of_the_run_only(tmp_path):
+    reg = _Registry()
+    payload = PAGE
+    slot = HEADER + payload
+    io = StagedFileIo(_to_host, _from_host, reg.register, reg.unregister, io_threads=2, stage_bytes=1 << 20,
+                      max_io_bytes=2 * slot)
+    path = os.path.join(str(tmp_path), "slab")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 3 * slot)  # slots 0-2 exist; slot 3 does not
+        views = torch.zeros((4, payload), dtype=torch.uint8)
+        errors = io.read([TransferItem(fd, s * slot + HEADER, views[s], bytearray(HEADER)) for s in range(4)])
+        assert errors[0] is None and errors[1] is None  # run (0, 1)
+        assert isinstance(errors[2], EOFError) and errors[3] is errors[2]  # run (2, 3) ends short
+    finally:
+        os.close(fd)
+        io.close()

@@ -18,10 +18,10 @@ import torch
 class TransferItem:
     """One payload transfer: ``view`` (uint8, contiguous) <-> ``fd`` at ``offset``.
 
-    With ``header`` (``offset`` bytes), the bytes before the payload travel too: written from it,
-    or read into it (a bytearray), in the same I/O where the engine can.  A block file's header
-    and payload then cost one read or write instead of two, which is what small blocks on a
-    disk pool pay for.
+    With ``header``, the ``len(header)`` bytes right before the payload travel too: written from
+    it, or read into it (a bytearray), in the same I/O where the engine can.  A block file's
+    header (offset 0) or an arena slot's (in a slab, ``offset - len(header)``) and its payload
+    then cost one read or write instead of two, which is what small blocks on a disk pool pay for.
     """
 
     fd: int
@@ -34,16 +34,17 @@ def header_io(item: TransferItem, write: bool, pwrite, preadv) -> None:
     """Move ``item.header`` on its own, for engines that cannot join it to the payload's I/O."""
     if item.header is None:
         return
-    if len(item.header) != item.offset:
-        raise ValueError(f"a header of {len(item.header)} bytes does not fill the {item.offset} before the payload")
+    start = item.offset - len(item.header)
+    if start < 0:
+        raise ValueError(f"a header of {len(item.header)} bytes does not fit before payload offset {item.offset}")
     buf = memoryview(item.header)
     done = 0
     while done < len(buf):
-        n = pwrite(item.fd, buf[done:], done) if write else preadv(item.fd, buf[done:], done)
+        n = pwrite(item.fd, buf[done:], start + done) if write else preadv(item.fd, buf[done:], start + done)
         if n <= 0:
             if write:
-                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {done}")
-            raise EOFError(f"file ended after {done} bytes, inside its header")
+                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {start + done}")
+            raise EOFError(f"file ended after {start + done} bytes, inside a header")
         done += n
 
 

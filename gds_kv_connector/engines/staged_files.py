@@ -6,7 +6,8 @@ the raw-disk ceiling does instead: the batch's payloads are copied device -> hos
 coalesced DMA (55 GB/s on the H200 host) into page-aligned staging slots, then every file is
 written with one O_DIRECT ``pwrite`` on an I/O thread: its header page (``TransferItem.header``),
 payload and zero padding together, so a block costs the disk one write and, loading, one read.
-Loads run the same in reverse.  The file layout is unchanged (payload at ``HEADER_SIZE``, zero
+Items that sit end to end in one file (arena slots of a slab on disk, saved or loaded together)
+share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged (payload at ``HEADER_SIZE``, zero
 padding to a page), so files written either way are read either way.  A filesystem that refuses O_DIRECT (tmpfs on
 older kernels) gets the same writes through the plain descriptor.
 
@@ -22,6 +23,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -31,6 +33,9 @@ from ..pool_format import PAGE, align_up
 from .base import TransferItem
 
 DEFAULT_STAGE_BYTES = 64 << 20
+# Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
+# streams (issue 7), and a bigger I/O would leave the other I/O threads idle.
+DEFAULT_MAX_IO_BYTES = 4 << 20
 # O_DIRECT is refused at open by filesystems without it; the plain descriptor is used then.
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
@@ -48,6 +53,43 @@ def plan_chunks(sizes: list[int], stage_bytes: int) -> tuple[int, list[range]]:
     per = max(1, stage_bytes // pitch)
     n = len(sizes)
     return pitch, [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def plan_runs(spans: list[tuple[int, int, int]], pitch: int, max_io_bytes: int) -> list[tuple[int, int]]:
+    """(fd, file offset, bytes) of consecutive stage slots -> [lo, hi) ranges moved by one I/O each.
+
+    Items join a run when they are the same file, each starts where the one before ends on disk,
+    and each but the last fills its stage slot (so they sit end to end in the stage too), up to
+    ``max_io_bytes`` a run.  Block files never join (one descriptor each); slots of one arena slab
+    saved together do, so 256 KiB blocks reach the disk as 4 MiB writes instead of 256 KiB ones.
+    """
+    runs: list[tuple[int, int]] = []
+    lo, run_bytes = 0, 0
+    for k, (fd, start, span) in enumerate(spans):
+        if k > lo:
+            pfd, pstart, pspan = spans[k - 1]
+            if fd != pfd or start != pstart + pspan or pspan != pitch or run_bytes + span > max_io_bytes:
+                runs.append((lo, k))
+                lo, run_bytes = k, 0
+        run_bytes += span
+    if spans:
+        runs.append((lo, len(spans)))
+    return runs
+
+
+@dataclass
+class _Job:
+    """One I/O: ``buf`` holds the items end to end (``pitch`` apart), each its header then payload."""
+
+    items: list[TransferItem]
+    leads: list[int]
+    sizes: list[int]
+    buf: memoryview
+    pitch: int
+
+    @property
+    def start(self) -> int:
+        return self.items[0].offset - self.leads[0]
 
 
 class _Stage:
@@ -73,12 +115,13 @@ class StagedFileIo:
 
     def __init__(self, copy_to_host: CopyFn, copy_from_host: CopyFn, register: RegisterFn,
                  unregister: UnregisterFn, io_threads: int, stage_bytes: int = DEFAULT_STAGE_BYTES,
-                 ops: FileOps | None = None) -> None:
+                 ops: FileOps | None = None, max_io_bytes: int = DEFAULT_MAX_IO_BYTES) -> None:
         if stage_bytes < PAGE:
             raise ValueError(f"stage_bytes must be at least {PAGE}, got {stage_bytes}")
         self._to_host, self._from_host = copy_to_host, copy_from_host
         self._register, self._unregister = register, unregister
         self._stage_bytes = align_up(stage_bytes, PAGE)
+        self._max_io_bytes = max_io_bytes
         self.ops = ops or FileOps()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-staged")
         self._local = threading.local()
@@ -104,11 +147,12 @@ class StagedFileIo:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
         # Items with a header move it in the same I/O: the slot then starts at file offset 0.
-        leads = [0 if it.header is None else it.offset for it in items]
+        # Items with a header move it in the same I/O: their slot starts that many bytes before the payload.
+        leads = [0 if it.header is None else len(it.header) for it in items]
         for i, (it, lead) in enumerate(zip(items, leads)):
-            if lead and (len(it.header) != lead or lead % PAGE):
-                results[i] = ValueError(f"a header of {len(it.header)} bytes at payload offset {it.offset} "
-                                        "cannot join the payload's I/O (it must fill whole pages before it)")
+            if lead and (lead > it.offset or lead % PAGE):
+                results[i] = ValueError(f"a header of {lead} bytes before payload offset {it.offset} cannot join "
+                                        "the payload's I/O (it must be whole pages inside the file)")
         pitch, chunks = plan_chunks([lead + align_up(n, PAGE) for lead, n in zip(leads, sizes)], self._stage_bytes)
         if not chunks:
             return results
@@ -125,10 +169,15 @@ class StagedFileIo:
                     for i in chunk:
                         results[i] = exc
                     continue
-            jobs = [(items[i], stage.view[k * pitch:k * pitch + leads[i] + align_up(sizes[i], PAGE)], leads[i], sizes[i])
-                    for k, i in enumerate(chunk)]
+            runs = plan_runs([(items[i].fd, items[i].offset - leads[i], leads[i] + align_up(sizes[i], PAGE))
+                              for i in chunk], pitch, self._max_io_bytes)
+            jobs = [_Job([items[i] for i in chunk[lo:hi]], [leads[i] for i in chunk[lo:hi]],
+                         [sizes[i] for i in chunk[lo:hi]], stage.view[lo * pitch:(hi - 1) * pitch + leads[chunk[hi - 1]]
+                                                                     + align_up(sizes[chunk[hi - 1]], PAGE)], pitch)
+                    for lo, hi in runs]
             fn = self._write_one if write else self._read_one
-            errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
+            run_errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
+            errors = [err for (lo, hi), err in zip(runs, run_errors) for _ in range(hi - lo)]
             for i, err in zip(chunk, errors):
                 results[i] = err
             if not write:
@@ -164,16 +213,19 @@ class StagedFileIo:
             self.direct_refused += 1
             return -1
 
-    def _write_one(self, job: tuple[TransferItem, memoryview, int, int]) -> BaseException | None:
-        item, buf, lead, nbytes = job
+    def _write_one(self, job: _Job) -> BaseException | None:
+        buf = job.buf
         try:
-            if lead:
-                buf[:lead] = item.header
-            if len(buf) > lead + nbytes:
-                buf[lead + nbytes:] = bytes(len(buf) - lead - nbytes)  # the zero padding readers expect
-            dfd = self._direct_fd(item.fd, os.O_WRONLY)
+            for k, (item, lead, nbytes) in enumerate(zip(job.items, job.leads, job.sizes)):
+                at, end = k * job.pitch, min(len(buf), (k + 1) * job.pitch)
+                if lead:
+                    buf[at:at + lead] = item.header
+                if end > at + lead + nbytes:
+                    buf[at + lead + nbytes:end] = bytes(end - at - lead - nbytes)  # the zero padding readers expect
+            fd = job.items[0].fd
+            dfd = self._direct_fd(fd, os.O_WRONLY)
             try:
-                write_all(self.ops, item.fd if dfd < 0 else dfd, buf, item.offset - lead)
+                write_all(self.ops, fd if dfd < 0 else dfd, buf, job.start)
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
@@ -183,18 +235,20 @@ class StagedFileIo:
         finally:
             buf.release()  # an error's traceback keeps this frame: it must not pin the stage's mapping
 
-    def _read_one(self, job: tuple[TransferItem, memoryview, int, int]) -> BaseException | None:
+    def _read_one(self, job: _Job) -> BaseException | None:
         """Reads whole pages (O_DIRECT needs them); the file may end inside the last one, after
-        the payload, but a file ending before the payload is short (EOFError, as block_io expects)."""
-        item, buf, lead, nbytes = job
+        the payload, but a file ending before the last payload's end is short (EOFError, as
+        block_io expects)."""
+        buf = job.buf
         try:
-            dfd = self._direct_fd(item.fd, os.O_RDONLY)
-            fd = item.fd if dfd < 0 else dfd
-            start, need = item.offset - lead, lead + nbytes
+            fd = job.items[0].fd
+            dfd = self._direct_fd(fd, os.O_RDONLY)
+            start = job.start
+            need = (len(job.items) - 1) * job.pitch + job.leads[-1] + job.sizes[-1]
             try:
                 done = 0
                 while done < need:
-                    n = self.ops.preadv(fd, buf[done:], start + done)
+                    n = self.ops.preadv(fd if dfd < 0 else dfd, buf[done:], start + done)
                     if n <= 0 or (done + n < need and n % PAGE):
                         raise EOFError(f"file ended after {start + done + max(n, 0)} bytes, "
                                        f"{need - done - max(n, 0)} short of the payload's end")
@@ -202,8 +256,9 @@ class StagedFileIo:
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
-            if lead:
-                item.header[:] = buf[:lead]
+            for k, (item, lead) in enumerate(zip(job.items, job.leads)):
+                if lead:
+                    item.header[:] = buf[k * job.pitch:k * job.pitch + lead]
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
             return exc
