@@ -65,7 +65,8 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     if pool.arena is not None:
         slots = pool.arena.alloc(len(todo))
         if slots:
-            _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots, now,
+            save = _save_to_arena if pool.arena.mapped else _save_to_slab_files
+            save(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots, now,
                            out)
             todo, sums = todo[len(slots):], sums[len(slots):]
             if not todo:
@@ -128,6 +129,61 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     todo_keys = keys if len(todo) == len(keys) else [keys[i] for i in todo]
     native.write_headers(addrs, pool.fingerprint, todo_keys, [parents[i] or ZERO_KEY for i in todo],
                          sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
+    _publish_slots(pool, todo_keys, slots, now, out)
+
+
+def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
+                        views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
+                        now: int, out: SaveOutcome) -> None:
+    """Slabs on disk: each slot's header and payload in one write at its offset (the engine joins
+    adjacent slots into larger I/Os), then one reference file per slab.  A slot whose write failed
+    is freed and its block counted failed."""
+    arena = pool.arena
+    assert arena is not None
+    items: list[TransferItem] = []
+    written: list[tuple[int, tuple[str, int]]] = []  # (index, slot) of the items made
+    for i, csum, (slab, slot) in zip(todo, sums, slots):
+        try:
+            fd, nslots = arena.slab_fd(slab)
+        except (OSError, FormatError, ValueError) as exc:
+            arena.release(slab, slot)
+            out.failed.append((keys[i], _cause(exc)))
+            continue
+        header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
+                             pool.tokens_per_block, now, parents[i] or ZERO_KEY)
+        items.append(TransferItem(fd, slot * arena.slot_bytes + HEADER_SIZE, views[i], header.pack()))
+        written.append((i, (slab, slot)))
+    errors = engine.write(items) if items else []
+    ok: list[tuple[int, tuple[str, int]]] = []
+    for (i, where), err in zip(written, errors):
+        if err is None:
+            ok.append((i, where))
+        else:
+            arena.release(*where)
+            out.failed.append((keys[i], _cause(err)))
+    if pool.fsync:  # one fsync per slab written, before any reference names its slots
+        synced: dict[str, BaseException | None] = {}
+        for slab in {where[0] for _, where in ok}:
+            try:
+                pool.ops.fsync(arena.slab_fd(slab)[0])
+                synced[slab] = None
+            except OSError as exc:
+                synced[slab] = exc
+        for i, where in ok:
+            if synced[where[0]] is not None:
+                arena.release(*where)
+                out.failed.append((keys[i], _cause(synced[where[0]])))  # type: ignore[arg-type]
+        ok = [(i, where) for i, where in ok if synced[where[0]] is None]
+    if ok:
+        _publish_slots(pool, [keys[i] for i, _ in ok], [where for _, where in ok], now, out)
+
+
+def _publish_slots(pool: BlockPool, todo_keys: list[bytes], slots: list[tuple[str, int]], now: int,
+                   out: SaveOutcome) -> None:
+    """One reference file per slab for slots whose records are written; a slot no name refers to
+    (lost race, failed link) is freed at once."""
+    arena = pool.arena
+    assert arena is not None
     # SlotRefs made by C iterators (tuple.__new__ over zipped fields), grouped by slab in runs:
     # a batch's slots nearly always come from one slab, and this is per-block GIL-held time.
     refs_all = list(map(tuple.__new__, itertools.repeat(SlotRef),
@@ -175,63 +231,132 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
                 verify: bool, retries: int, deadline: float) -> int:
     """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read."""
     expected: list[int] = [0] * len(pins)  # payload checksum each header promises
-    attempt = 0
+    arena = pool.arena
     slot_pins = [n for n, pin in enumerate(pins) if pin.slot is not None]
-    if slot_pins:
-        addrs, fields, sums = _check_slots(pool, [pins[n] for n in slot_pins])
-        if len(slot_pins) == len(pins):
+    mapped_pins = slot_pins if arena is not None and arena.mapped else []
+    if mapped_pins:
+        addrs, fields, sums = _check_slots(pool, [pins[n] for n in mapped_pins])
+        if len(mapped_pins) == len(pins):
             expected = sums
         else:
-            for n, csum in zip(slot_pins, sums):
+            for n, csum in zip(mapped_pins, sums):
                 expected[n] = csum
-    file_pins = [n for n, pin in enumerate(pins) if pin.slot is None]
-    if slot_pins:
-        engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(slot_pins, addrs)], pool.file_size)
+        engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(mapped_pins, addrs)], pool.file_size)
         changed = native.first_changed(addrs, fields)
         if changed >= 0:
-            pin = pins[slot_pins[changed]]
-            pool.arena.forget(pin.key)
+            pin = pins[mapped_pins[changed]]
+            arena.forget(pin.key)  # type: ignore[union-attr]
             raise LoadFailure(pin.key, pin.path, "arena slot was reused while it was being loaded")
-        pool.arena.touch([pins[n].slot for n in slot_pins])
-    # Header and payload of a block file are read together (one I/O where the engine can) and
-    # the header is checked after; a failed load is reported either way, before any KV is used.
-    headers = {n: bytearray(HEADER_SIZE) for n in file_pins}
-    pending = file_pins
-    while pending:
-        errors = engine.read([TransferItem(pins[i].fd, HEADER_SIZE, views[i], headers[i]) for i in pending])
-        failed = [(i, e) for i, e in zip(pending, errors) if e is not None]
-        if not failed:
-            break
-        i, err = failed[0]
-        transient = isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS
-        if not transient or attempt >= retries or time.monotonic() >= deadline:
-            if isinstance(err, EOFError):
-                pool.quarantine(pins[i].key, "truncated", pins[i].ino)
-            raise LoadFailure(pins[i].key, pins[i].path, f"payload read failed: {err}")
-        attempt += 1
-        log.info("retrying %d block read(s) after %s (attempt %d of %d)", len(failed), err, attempt, retries)
-        pending = [i for i, _ in failed]
-    for n in file_pins:
+    # Block files and slots of slabs on disk: header and payload read together (one I/O where the
+    # engine can), the header checked after; a failed load is reported either way, before any KV is used.
+    read_pins = [n for n, pin in enumerate(pins) if pin.slot is None] if mapped_pins else list(range(len(pins)))
+    headers = {n: bytearray(HEADER_SIZE) for n in read_pins}
+    _read_pinned(pool, engine, pins, views, headers, read_pins, retries, deadline)
+    for n in read_pins:
         pin = pins[n]
         try:
-            expected[n] = pool.check_header(pin, headers[n]).checksum
+            expected[n] = _checked_header(pool, pin, headers[n])
         except FormatError as exc:
-            pool.quarantine(pin.key, str(exc), pin.ino)
-            raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
-    if verify:
+            if pin.slot is None:
+                pool.quarantine(pin.key, str(exc), pin.ino)
+                raise LoadFailure(pin.key, pin.path, f"bad header: {exc}") from None
+            expected[n] = _reread_moved_slot(pool, engine, pin, views[n], exc, retries, deadline)
+    if slot_pins:
+        arena.touch([pins[n].slot for n in slot_pins if pins[n].slot is not None])  # type: ignore[union-attr,misc]
+    # Slots on disk are always verified: a slot reused while it was read shows as a payload that
+    # does not match the header read with it (see arena.py).
+    if verify or (slot_pins and not mapped_pins):
         sums = engine.checksums(views)
         if sums == expected:  # one C comparison; the loop below only names the first mismatch
             return len(pins) * pool.payload_len
         for pin, want, got in zip(pins, expected, sums):
             if got != want:
                 if pin.slot is not None:
-                    pool.arena.forget(pin.key)
+                    arena.forget(pin.key)  # type: ignore[union-attr]
                     raise LoadFailure(pin.key, pin.path, f"arena slot payload checksum mismatch (header "
                                       f"{want:#018x}, data {got:#018x}): damaged or reused")
                 pool.quarantine(pin.key, "checksum mismatch", pin.ino)
                 raise LoadFailure(pin.key, pin.path,
                                   f"payload checksum mismatch (header {want:#018x}, data {got:#018x})")
     return len(pins) * pool.payload_len
+
+
+def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[torch.Tensor],
+                 headers: dict[int, bytearray], which: list[int], retries: int, deadline: float) -> None:
+    """Read header and payload of ``pins[n]`` for n in ``which``, retrying transient errors."""
+    items: dict[int, TransferItem] = {}
+    for n in which:
+        pin = pins[n]
+        if pin.slot is None:
+            items[n] = TransferItem(pin.fd, HEADER_SIZE, views[n], headers[n])
+            continue
+        arena = pool.arena
+        assert arena is not None
+        try:
+            fd, nslots = arena.slab_fd(pin.slot.slab)
+        except (OSError, FormatError, ValueError) as exc:
+            arena.forget(pin.key)
+            raise LoadFailure(pin.key, pin.path, f"arena slab {pin.slot.slab}: {exc}") from None
+        if not 0 <= pin.slot.slot < nslots:
+            arena.forget(pin.key)
+            raise LoadFailure(pin.key, pin.path, f"slot {pin.slot.slot} outside slab {pin.slot.slab} of {nslots}")
+        items[n] = TransferItem(fd, pin.slot.slot * arena.slot_bytes + HEADER_SIZE, views[n], headers[n])
+    attempt = 0
+    pending = which
+    while pending:
+        errors = engine.read([items[n] for n in pending])
+        failed = [(n, e) for n, e in zip(pending, errors) if e is not None]
+        if not failed:
+            return
+        n, err = failed[0]
+        transient = isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS
+        if not transient or attempt >= retries or time.monotonic() >= deadline:
+            if isinstance(err, EOFError) and pins[n].slot is None:
+                pool.quarantine(pins[n].key, "truncated", pins[n].ino)
+            raise LoadFailure(pins[n].key, pins[n].path, f"payload read failed: {err}")
+        attempt += 1
+        log.info("retrying %d block read(s) after %s (attempt %d of %d)", len(failed), err, attempt, retries)
+        pending = [n for n, _ in failed]
+
+
+def _checked_header(pool: BlockPool, pin: Pin, raw: bytearray) -> int:
+    """The payload checksum a pinned block's header promises, after checking the header against
+    the pool and the key (and, for a slot, the reference's creation time); raises FormatError."""
+    h = pool.check_header(pin, raw)
+    if pin.slot is not None and h.created_ns != pin.slot.created_ns:
+        raise FormatError(f"slot {pin.slot.slab}#{pin.slot.slot} holds a block created at {h.created_ns}, "
+                          f"not {pin.slot.created_ns}: reused")
+    return h.checksum
+
+
+def _reread_moved_slot(pool: BlockPool, engine: IoEngine, pin: Pin, view: torch.Tensor, err: FormatError,
+                       retries: int, deadline: float) -> int:
+    """A disk slot's header did not match its reference.  A reference read from the pool is
+    damaged or stale: quarantined, LoadFailure.  A location this process remembered may be out of
+    date (evicted by another owner, slot reused): the key is resolved afresh and read once more."""
+    assert pool.arena is not None
+    pool.arena.forget(pin.key)
+    if pin.ino != 0:
+        pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
+        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")  # type: ignore[union-attr]
+    try:
+        fresh = pool.pin(pin.key)
+    except (OSError, FormatError) as again:
+        raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
+    header = bytearray(HEADER_SIZE)
+    try:
+        _read_pinned(pool, engine, [fresh], [view], {0: header}, [0], retries, deadline)
+        try:
+            return _checked_header(pool, fresh, header)
+        except FormatError as exc:
+            if fresh.slot is None:
+                pool.quarantine(fresh.key, str(exc), fresh.ino)
+            else:
+                pool.arena.forget(fresh.key)
+            raise LoadFailure(fresh.key, fresh.path, f"bad header: {exc}") from None
+    finally:
+        pool.unpin(fresh)
+        pin.slot, pin.ino = fresh.slot, fresh.ino
 
 
 def _check_slots(pool: BlockPool, pins: list[Pin]) -> tuple[list[int], bytes, list[int]]:

@@ -1,4 +1,6 @@
-"""The slot arena of host-memory pools: save, load, share, evict and reuse, adopt, detect reuse."""
+"""The slot arena: save, load, share, evict and reuse, adopt, detect reuse; every test that does not
+look into a mapping runs with mapped slabs (host-memory pools) and with slabs moved by reads and
+writes (disk pools)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,34 @@ def header_loops(native_impl):
     return native_impl
 
 
+_MODE = {"mapped": True}
+
+
+@pytest.fixture(autouse=True, params=["mapped", "disk"])
+def slab_mode(request):
+    """Which kind of slab ``_pool`` and ``_arena`` build; tests that read a mapping skip the disk kind."""
+    if request.param == "disk" and request.node.get_closest_marker("mapped_only"):
+        pytest.skip("looks into a slab mapping")
+    _MODE["mapped"] = request.param == "mapped"
+    yield request.param
+    _MODE["mapped"] = True
+
+
+def _arena(pool: BlockPool, engine, slots: int, per_slab: int, delay: float, clock=time.monotonic) -> SlotArena:
+    return SlotArena(pool, engine, slots * pool.file_size, per_slab * pool.file_size, delay, clock=clock,
+                     mapped=_MODE["mapped"])
+
+
+def _flip(arena: SlotArena, ref: SlotRef, offset: int) -> None:
+    """Damage one byte of a slot (``offset`` from the slot's start), through the mapping or the file."""
+    slab = arena._slabs[ref.slab]
+    off = ref.slot * arena.slot_bytes + offset
+    if slab.mm is not None:
+        slab.mm[off] = slab.mm[off] ^ 0xFF
+    else:
+        os.pwrite(slab.fd, bytes([os.pread(slab.fd, 1, off)[0] ^ 0xFF]), off)
+
+
 @pytest.fixture
 def engine():
     e = PosixEngine(io_threads=2)
@@ -48,7 +78,7 @@ def engine():
 
 def _pool(root: str, engine, slots: int, delay: float = 0.0, clock=time.monotonic, per_slab: int = 2) -> BlockPool:
     pool = BlockPool((root,), FP, PAYLOAD, 16, refs=True)
-    pool.arena = SlotArena(pool, engine, slots * pool.file_size, per_slab * pool.file_size, delay, clock=clock)
+    pool.arena = _arena(pool, engine, slots, per_slab, delay, clock)
     pool.arena.start(background=False)
     return pool
 
@@ -137,10 +167,7 @@ def test_damaged_slot_payload_is_detected(shm_root, engine):
     a = _pool(shm_root, engine, 2)
     k, d = _keys(1), _data(1, 6)
     save_blocks(a, engine, k, [ZERO_KEY], [d[0]])
-    ref = a.arena.cached_ref(k[0])
-    slab = a.arena._slabs[ref.slab]
-    off = ref.slot * a.file_size + 4096 + 100
-    slab.mm[off] = slab.mm[off] ^ 0xFF
+    _flip(a.arena, a.arena.cached_ref(k[0]), 4096 + 100)
     with pytest.raises(LoadFailure, match="checksum"):
         _load(a, engine, k)
     a.arena.close()
@@ -172,7 +199,7 @@ def test_adoption_takes_over_a_slab_a_load_mapped_first(shm_root, engine):
     save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)])
     a.arena.close()
     b = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
-    b.arena = SlotArena(b, engine, 2 * b.file_size, 2 * b.file_size, 0.0)
+    b.arena = _arena(b, engine, 2, 2, 0.0)
     assert torch.equal(_load(b, engine, keys), d)  # maps the slab for reading, before the builder runs
     (name, mapped), = b.arena._slabs.items()
     b.arena.start(background=False)
@@ -208,14 +235,61 @@ def test_coalesce_joins_consecutive_slots_only():
     assert len(coalesce([(0, 0, w), (2 * slot, w, w), (4 * slot, 2 * w, w)], slot)) == 3
 
 
-def test_arena_needs_a_host_memory_filesystem(shm_root, engine, monkeypatch):
-    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
-    s = Settings.load_from({"TLLM_GDS_KV_ROOT": shm_root, "TLLM_GDS_KV_ARENA_BYTES": "1MiB"})
-    monkeypatch.setattr(arena_mod, "fs_type", lambda p: "ext4")
-    with pytest.raises(ArenaError, match="not a host-memory filesystem"):
-        start_arena(pool, engine, s)
+def test_start_arena_maps_slabs_on_host_memory_only(shm_root, engine, monkeypatch, slab_mode):
+    if slab_mode == "disk":
+        pytest.skip("start_arena picks the kind itself")
+    s = Settings.load_from({"TLLM_GDS_KV_ROOT": shm_root, "TLLM_GDS_KV_ARENA_BYTES": "1MiB",
+                            "TLLM_GDS_KV_ARENA_SLAB_BYTES": "1MiB"})
+    for fs, mapped in (("tmpfs", True), ("ext4", False)):
+        monkeypatch.setattr(arena_mod, "fs_type", lambda p, _fs=fs: _fs)
+        pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+        pool.arena = start_arena(pool, engine, s)
+        assert pool.arena.wait_ready(10) and pool.arena.mapped is mapped
+        slab = next(iter(pool.arena._slabs.values()))
+        assert (slab.mm is not None) is mapped
+        keys, d = _keys(3, fs.encode()), _data(3, 21)
+        assert save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+        assert torch.equal(_load(pool, engine, keys), d)
+        pool.arena.close()
     with pytest.raises(SettingsError, match="one pool root"):
         Settings.load_from({"TLLM_GDS_KV_ROOT": "/a:/b", "TLLM_GDS_KV_ARENA_BYTES": "1MiB"})
+
+
+def test_disk_slots_are_preallocated_and_loads_verify_without_verify(shm_root, engine, slab_mode):
+    """Slabs on disk: blocks reserved at creation (no allocating write per slot), and a load checks
+    the payload against the header read with it even with verify off, since one write's pages
+    reach the disk in no promised order (a reader racing a reuse may see the old header)."""
+    if slab_mode == "mapped":
+        pytest.skip("disk slabs only")
+    a = _pool(shm_root, engine, 4, per_slab=4)
+    slab = next(iter(a.arena._slabs.values()))
+    st = os.fstat(slab.fd)
+    assert st.st_size == 4 * a.file_size and st.st_blocks * 512 >= st.st_size
+    keys, d = _keys(2), _data(2, 22)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    _flip(a.arena, a.arena.cached_ref(keys[1]), 4096 + 5)
+    views = torch.zeros((2, PAYLOAD), dtype=torch.uint8)
+    pins = pin_blocks(a, keys)
+    with pytest.raises(LoadFailure, match="checksum mismatch"):
+        load_blocks(a, engine, pins, [views[0], views[1]], verify=False, retries=0, deadline=time.monotonic() + 5)
+    a.arena.close()
+
+
+def test_a_remembered_disk_slot_that_moved_is_resolved_again(shm_root, engine, slab_mode):
+    """A location this owner remembered no longer matches the slot's header (the block was
+    evicted and saved again elsewhere, the slot reused): the load resolves the key afresh from
+    the pool instead of failing; a reference read from the pool that does not match fails."""
+    if slab_mode == "mapped":
+        pytest.skip("disk slabs only (the mapped path has its own: _check_slots)")
+    a, c = _pool(shm_root, engine, 4, per_slab=4), _pool(shm_root, engine, 4, per_slab=4)
+    keys, d = _keys(2), _data(2, 23)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    good = [a.read_ref(k) for k in keys]
+    for ref in good:
+        c.arena.remember(ref._replace(created_ns=ref.created_ns + 1))  # out of date
+    assert torch.equal(_load(c, engine, keys), d)
+    assert [c.arena.cached_ref(k) for k in keys] == good
+    a.arena.close(), c.arena.close()
 
 
 def test_connector_round_trip_with_arena_and_restart(pool_env, monkeypatch, shm_root):
@@ -259,10 +333,7 @@ def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
     save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)])
     r = verify(shm_root, workers=2, progress=False)
     assert (r["checked"], r["ok"], r["bad"]) == (4, 4, 0)
-    ref = a.arena.cached_ref(keys[2])
-    slab = a.arena._slabs[ref.slab]
-    off = ref.slot * a.file_size + 4096 + 7
-    slab.mm[off] = slab.mm[off] ^ 1
+    _flip(a.arena, a.arena.cached_ref(keys[2]), 4096 + 7)
     r = verify(shm_root, workers=2, progress=False)
     assert (r["ok"], r["reasons"], r["quarantined"]) == (3, {"checksum": 1}, 1)
     assert not os.path.exists(a.path_for(keys[2])) and os.path.exists(a.path_for(keys[1]))
@@ -287,7 +358,7 @@ def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine)
 
     ops = FaultyFileOps(seed=3)
     pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True, ops=ops)
-    pool.arena = SlotArena(pool, engine, 4 * pool.file_size, 4 * pool.file_size, 0.0)
+    pool.arena = _arena(pool, engine, 4, 4, 0.0)
     pool.arena.start(background=False)
     keys, d = _keys(3), _data(3, 12)
     ops.add("link", "eio", count=1, skip=1)  # the second key's link fails
@@ -335,6 +406,7 @@ def test_runs_groups_consecutive_slots():
     assert arena_mod._runs([]) == []
 
 
+@pytest.mark.mapped_only
 def test_check_records_stops_at_a_slot_outside_its_slab_or_an_unknown_slab(shm_root, engine):
     a = _pool(shm_root, engine, 4, per_slab=4)
     keys, d = _keys(3), _data(3, 8)
