@@ -128,12 +128,13 @@ SPECS: tuple[SettingSpec, ...] = (
                 "evicted (protects promised and in-flight loads).", _non_negative),
     SettingSpec("admission", "all", str, "Which full blocks to save: all, prompt (prompt blocks only), "
                 "or seen:N (prefixes matched at least N times by this owner).", _admission),
-    SettingSpec("arena_bytes", 0, parse_size, "Host-memory pools (tmpfs, e.g. /dev/shm): bytes of slab files "
-                "each owner preallocates, maps and registers for DMA once, so blocks move at the PCIe limit "
-                "instead of one file per block; 0 disables. Every owner of such a pool must set it.",
-                _non_negative),
+    SettingSpec("arena_bytes", 0, parse_size, "Bytes of slab files each owner preallocates and keeps blocks "
+                "in, instead of one file per block; 0 disables. On a host-memory pool (tmpfs, e.g. "
+                "/dev/shm) slabs are mapped and registered for DMA once, so blocks move at the PCIe limit; "
+                "on a disk pool slots are written and read with O_DIRECT, adjacent slots in one I/O, with "
+                "no file created per block. Every owner of such a pool must set it.", _non_negative),
     SettingSpec("arena_slab_bytes", 256 << 20, parse_size, "Size of one arena slab file (the unit other "
-                "owners map and register when they read from it).", _positive),
+                "owners map and register when they read from it, on a host-memory pool).", _positive),
     SettingSpec("arena_reuse_delay_s", 5.0, float, "How long an arena slot whose reference was removed "
                 "stays untouched before it is overwritten (covers readers that resolved it just before).",
                 _non_negative),

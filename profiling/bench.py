@@ -565,13 +565,16 @@ class ConnectorRig:
         self.arena_setup_s: float | None = None
         if arena_bytes:
             t0 = time.perf_counter()
-            self.pool.arena = SlotArena(self.pool, self.engine, arena_bytes, 256 << 20, 5.0)
+            self.pool.arena = SlotArena(self.pool, self.engine, arena_bytes, 256 << 20, 5.0,
+                                        mapped=fs_type(root) in HOST_FS_TYPES)
             self.pool.arena.start(background=False)
             self.arena_setup_s = round(time.perf_counter() - t0, 3)
 
     @property
     def mode(self) -> str:
-        return "arena" if self.pool.arena is not None else "block files"
+        if self.pool.arena is None:
+            return "block files"
+        return "arena" if self.pool.arena.mapped else "arena on disk"
 
     def warm_up(self) -> None:
         """Probe, thread pools and checksum kernels, outside every timed region."""
@@ -1254,7 +1257,7 @@ def render_table(res: dict) -> str:
                     direction=r["direction"])
         kvi = _find(res["baselines"], method="naive_kvikio", target=r["target"], block_bytes=r["block_bytes"],
                     direction=r["direction"])
-        notes = []
+        notes = [] if r.get("pool_mode") in (None, "block files", "arena") else [r["pool_mode"]]
         runs = r.get("GBps_runs") or []
         if len(runs) > 1:  # the median is reported; the spread says how far one run can be trusted
             notes.append(f"runs {min(runs):.1f}-{max(runs):.1f}")
@@ -1409,6 +1412,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "keys each; the median run is reported (default 3; 1 with --quick)")
     p.add_argument("--shm-files", action="store_true", help="host-memory target as one file per block, "
                    "without the slot arena (TLLM_GDS_KV_ARENA_BYTES unset)")
+    p.add_argument("--disk-arena", action="store_true", help="disk target with the slot arena on disk "
+                   "(TLLM_GDS_KV_ARENA_BYTES set: preallocated slabs, O_DIRECT at slot offsets) instead of one "
+                   "file per block; the table notes it")
     p.add_argument("--gc-gen0", type=int, default=20000, help="Python GC generation-0 threshold for the run; "
                    "the default is what TensorRT-LLM's PyExecutor sets around its loop "
                    "(TorchLlmArgs.garbage_collection_gen0_threshold); 0 keeps Python's own (700)")
@@ -1580,8 +1586,9 @@ def main(argv: list[str] | None = None) -> int:
 
                     def one_size() -> None:
                         kv = _rand_bytes((n, size), device, size)
-                        arena = (args.repeat * (n + 2) * fsize + (256 << 20) if info.get("fs") in HOST_FS_TYPES
-                                 and not args.shm_files else 0)
+                        in_memory = info.get("fs") in HOST_FS_TYPES
+                        arena = (args.repeat * (n + 2) * fsize + (256 << 20)
+                                 if (in_memory and not args.shm_files) or (not in_memory and args.disk_arena) else 0)
                         rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
                                            args.io_threads, label, kvd, arena_bytes=arena)
                         try:

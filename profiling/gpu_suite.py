@@ -5,8 +5,9 @@
 Runs `gds-kv doctor`, the `gpu`-marked tests (pytest, junit XML), and the demo on the GPU four
 times (KVIKIO_COMPAT_MODE=ON: without GDS, files moved by the staged O_DIRECT path, then by
 KvikIO's POSIX path with TLLM_GDS_KV_COMPAT_IO=kvikio; OFF: the cuFile path, or the engine's
-start-up fallback with its reason where cuFile refuses the file; AUTO), plus once with the slot
-arena on a /dev/shm pool (TLLM_GDS_KV_ARENA_BYTES), and writes
+start-up fallback with its reason where cuFile refuses the file; AUTO), plus with the slot arena
+(TLLM_GDS_KV_ARENA_BYTES) on a /dev/shm pool (mapped slabs) and on the disk pool (slabs moved by
+O_DIRECT), and writes
 DIR/gpu-suite.json with the commit, pass/fail counts, the data path each run reported and the
 demo figures.
 """
@@ -70,7 +71,9 @@ def main() -> int:
             ("kvikio-posix", {"KVIKIO_COMPAT_MODE": "ON", "TLLM_GDS_KV_COMPAT_IO": "kvikio"},
              f"{args.pool}-kvikio-posix"),
             ("cufile-off", {"KVIKIO_COMPAT_MODE": "OFF"}, f"{args.pool}-cufile-off"),
-            ("auto", {"KVIKIO_COMPAT_MODE": "AUTO"}, f"{args.pool}-auto")]
+            ("auto", {"KVIKIO_COMPAT_MODE": "AUTO"}, f"{args.pool}-auto"),
+            ("disk-arena", {"KVIKIO_COMPAT_MODE": "AUTO", "TLLM_GDS_KV_ARENA_BYTES": "512MiB"},
+             f"{args.pool}-disk-arena")]
     if os.path.isdir("/dev/shm"):  # the slot arena: 2 owner processes, then a restart that adopts their slabs
         runs.append(("arena", {"KVIKIO_COMPAT_MODE": "AUTO", "TLLM_GDS_KV_ARENA_BYTES": "512MiB"},
                      f"/dev/shm/gdskv-suite-arena-{os.getpid()}"))

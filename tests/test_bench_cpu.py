@@ -132,6 +132,27 @@ def test_bench_host_memory_target_runs_the_arena(tmp_path):
         assert f"runs {lo:.1f}-{hi:.1f}" in proc.stdout
 
 
+def test_bench_disk_target_runs_the_arena_on_disk_when_asked(tmp_path):
+    """--disk-arena: the disk target's rows come from slabs on disk, and the table says so."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--quick", "--device", "cpu", "--targets", "disk", "--sizes", "256KiB",
+         "--repeat", "1", "--disk-arena", "--no-baselines", "--no-executor", "--no-drop-caches",
+         "--disk-dir", str(tmp_path / "disk"), "--json", str(out), "--no-progress"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    res = json.loads(out.read_text())
+    if res["targets_info"]["disk"]["fs"] in ("tmpfs", "ramfs", "hugetlbfs"):
+        pytest.skip("the temporary directory is in memory here: the arena would be the mapped kind")
+    rows = res["connector"]
+    assert [r["direction"] for r in rows] == ["save", "load"]
+    for r in rows:
+        assert r["pool_mode"] == "arena on disk" and r["blocks"] > 0 and r["GBps"] > 0
+    assert proc.stdout.count("arena on disk") == 2
+
+
 @pytest.mark.parametrize("script,args,expect", [
     ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
     ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "steady median us"),

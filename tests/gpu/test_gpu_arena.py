@@ -33,9 +33,9 @@ def shm_root():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _arena_pool(root, engine, payload, slots):
+def _arena_pool(root, engine, payload, slots, mapped=True):
     pool = BlockPool((root,), FP, payload, 32, refs=True)
-    pool.arena = SlotArena(pool, engine, slots * pool.file_size, 64 * pool.file_size, 0.0)
+    pool.arena = SlotArena(pool, engine, slots * pool.file_size, 64 * pool.file_size, 0.0, mapped=mapped)
     pool.arena.start(background=False)
     return pool
 
@@ -60,6 +60,32 @@ def test_arena_round_trip_and_second_owner(shm_root, order):
         torch.cuda.synchronize()
         assert torch.equal(got, kv)
     a.arena.close(), b.arena.close()
+
+
+@pytest.mark.parametrize("compat_io", ["staged", "kvikio"])
+@pytest.mark.parametrize("order", ["consecutive", "shuffled"])
+def test_disk_arena_round_trip_and_second_owner(tmp_path, order, compat_io):
+    """Slabs on a disk filesystem (pytest's tmp_path), moved by the engine: the staged O_DIRECT
+    path joins adjacent slots into larger I/Os; KvikIO's path moves them one by one."""
+    payload, n = 256 << 10, 96
+    engine = make_engine("kvikio", torch.device("cuda"), 8, compat_io=compat_io)
+    kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device="cuda")
+    idx = list(range(n)) if order == "consecutive" else list(torch.randperm(n).tolist())
+    keys = [hashlib.sha256(bytes([i, 9])).digest() for i in range(n)]
+    a = _arena_pool(str(tmp_path), engine, payload, 128, mapped=False)
+    out = save_blocks(a, engine, [keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
+    assert (out.published, out.arena_fallback) == (n, 0), out.failed[:1]
+    other = make_engine("kvikio", torch.device("cuda"), 8, compat_io=compat_io)
+    b = _arena_pool(str(tmp_path), other, payload, 64, mapped=False)
+    for pool, eng in ((a, engine), (b, other)):
+        got = torch.zeros_like(kv)
+        pins = pin_blocks(pool, [keys[i] for i in idx])
+        load_blocks(pool, eng, pins, [got[i] for i in idx], verify=False, retries=0,
+                    deadline=time.monotonic() + 30)
+        torch.cuda.synchronize()
+        assert torch.equal(got, kv)
+    a.arena.close(), b.arena.close()
+    engine.close(), other.close()
 
 
 def test_connector_with_arena_restart_round_trip(pool_env, monkeypatch, shm_root):
