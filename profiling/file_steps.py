@@ -1,9 +1,10 @@
 """Where the block-file path's time goes, step by step, on a real pool directory.
 
     python profiling/file_steps.py [--block 256KiB] [--total 512MiB] [--transfer-threads 2]
-                                   [--io-threads 8] [--dir /tmp] [--compat-io staged]
+                                   [--io-threads 8] [--dir /tmp] [--compat-io staged] [--arena 2GiB]
 
-Saves ``--total`` bytes of blocks through ``block_io`` (one file per block, no arena) on
+Saves ``--total`` bytes of blocks through ``block_io`` (one file per block, or with ``--arena``
+slots of slabs of that many bytes, ``publish_refs`` then being the publish step) on
 ``--transfer-threads`` threads in 64 MiB batches, as the connector's transfer threads do, then
 loads them back cold (page cache dropped where this process may), and prints one JSON line:
 GB/s of each direction (saves counted until ``sync`` returns) and the time summed over threads
@@ -33,13 +34,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _run_batches  # noqa: E402
 
+from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
 
-POOL_STEPS = ("create_tmp", "publish", "pin", "check_header", "unpin")
+POOL_STEPS = ("create_tmp", "publish", "publish_refs", "pin", "check_header", "unpin")
 ENGINE_STEPS = ("write", "read", "checksums")
 
 
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--compat-io", default="staged", choices=("staged", "kvikio"))
+    ap.add_argument("--arena", default="0", help="slot arena bytes (TLLM_GDS_KV_ARENA_BYTES); 0: block files")
     a = ap.parse_args()
     size, total = parse_size(a.block), parse_size(a.total)
     n = max(1, total // size)
@@ -94,7 +98,12 @@ def main() -> None:
     clock = StepClock()
     try:
         engine = make_engine("auto", device, a.io_threads, compat_io=a.compat_io)
-        pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, index_ttl_s=600)
+        arena_bytes = parse_size(a.arena)
+        pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, index_ttl_s=600,
+                         refs=arena_bytes > 0)
+        if arena_bytes:
+            pool.arena = SlotArena(pool, engine, arena_bytes, 256 << 20, 5.0, mapped=fs_type(root) in HOST_FS_TYPES)
+            pool.arena.start(background=False)
         kv = torch.randint(0, 256, (n, size), dtype=torch.uint8, device=device)
         views = [kv[i] for i in range(n)]
         save_blocks(pool, engine, [os.urandom(32)], [ZERO_KEY], [views[0]])  # warm-up: kernels, staging
@@ -129,10 +138,13 @@ def main() -> None:
         _, load_s, _, _ = _run_batches(batches, load, a.transfer_threads, float("inf"))
         print(json.dumps({
             "data_path": engine.data_path(), "block": size, "blocks": n, "transfer_threads": a.transfer_threads,
-            "io_threads": a.io_threads, "save_GBps": round(n * size / (save_s + sync_s) / 1e9, 3),
+            "io_threads": a.io_threads, "pool_mode": "block files" if pool.arena is None else
+            "arena" if pool.arena.mapped else "arena on disk", "save_GBps": round(n * size / (save_s + sync_s) / 1e9, 3),
             "save_s": round(save_s, 3), "sync_s": round(sync_s, 3), "load_GBps": round(n * size / load_s / 1e9, 3),
             "load_s": round(load_s, 3), "load_cold": cold, "save_steps_s": save_steps,
             "load_steps_s": clock.take()}))
+        if pool.arena is not None:
+            pool.arena.close()
         engine.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)

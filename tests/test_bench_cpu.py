@@ -157,6 +157,8 @@ def test_bench_disk_target_runs_the_arena_on_disk_when_asked(tmp_path):
     ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
     ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "steady median us"),
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2"], '"create_tmp"'),
+    ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2", "--arena", "16MiB"],
+     '"publish_refs"'),
 ])
 def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     """The smaller profiling tools the results README cites still run (no GPU needed for these)."""
