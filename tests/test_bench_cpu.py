@@ -110,17 +110,23 @@ def test_bench_reports_goals_and_metadata(bench_result):
     assert "Connector (block_io" in stdout
 
 
+def _small_bench(out, *args: str) -> subprocess.CompletedProcess:
+    """One --quick CPU bench of 256 KiB blocks, connector rows only, the settings of this shell left out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--quick", "--device", "cpu", "--sizes", "256KiB", "--no-baselines",
+         "--no-executor", "--json", str(out), "--no-progress", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="needs a writable /dev/shm (tmpfs)")
 def test_bench_host_memory_target_runs_the_arena(tmp_path):
     """On tmpfs the host-memory target measures the slot arena, repeated runs with the median kept."""
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, BENCH, "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB",
-         "--repeat", "2", "--no-baselines", "--no-executor", "--json", str(out), "--no-progress"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = _small_bench(out, "--targets", "shm", "--repeat", "2")
     rows = json.loads(out.read_text())["connector"]
     assert [r["direction"] for r in rows] == ["save", "load"]
     for r in rows:
@@ -135,14 +141,8 @@ def test_bench_host_memory_target_runs_the_arena(tmp_path):
 def test_bench_disk_target_runs_the_arena_on_disk_when_asked(tmp_path):
     """--disk-arena: the disk target's rows come from slabs on disk, and the table says so."""
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, BENCH, "--quick", "--device", "cpu", "--targets", "disk", "--sizes", "256KiB",
-         "--repeat", "1", "--disk-arena", "--no-baselines", "--no-executor", "--no-drop-caches",
-         "--disk-dir", str(tmp_path / "disk"), "--json", str(out), "--no-progress"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = _small_bench(out, "--targets", "disk", "--repeat", "1", "--disk-arena", "--no-drop-caches",
+                        "--disk-dir", str(tmp_path / "disk"))
     res = json.loads(out.read_text())
     if res["targets_info"]["disk"]["fs"] in ("tmpfs", "ramfs", "hugetlbfs"):
         pytest.skip("the temporary directory is in memory here: the arena would be the mapped kind")
