@@ -236,7 +236,7 @@ class KvikioEngine(IoEngine):
             return staged.write(items) if write else staged.read(items)
         flags = "r+" if write else "r"
         results: list[BaseException | None] = [None] * len(items)
-        handles: list[Any] = []
+        handles: dict[int, Any] = {}  # one per descriptor: slots of one arena slab share it
         pending: list[tuple[int, Any]] = []
         resolved = 0
         try:
@@ -245,10 +245,11 @@ class KvikioEngine(IoEngine):
                 try:
                     view = _byte_view(item.view)
                     header_io(item, write, _OPS.pwrite, _OPS.preadv)
-                    # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
-                    # reopening the same inode through /proc lets KvikIO open it its own way.
-                    handle = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
-                    handles.append(handle)
+                    handle = handles.get(item.fd)
+                    if handle is None:
+                        # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
+                        # reopening the same inode through /proc lets KvikIO open it its own way.
+                        handle = handles[item.fd] = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
                     op = handle.pwrite if write else handle.pread
                     pending.append((i, op(view, file_offset=item.offset)))
                 except Exception as exc:  # noqa: BLE001 - reported per item
@@ -273,7 +274,7 @@ class KvikioEngine(IoEngine):
                     future.get()
                 except BaseException:  # noqa: BLE001 - already failing
                     pass
-            for handle in handles:
+            for handle in handles.values():
                 try:
                     handle.close()
                 except Exception as exc:  # noqa: BLE001 - the transfer's outcome is already known
