@@ -449,3 +449,51 @@ def test_a_loaded_block_is_evicted_after_the_ones_not_used_since(shm_root, engin
     assert a.contains(keys[0]) and not a.contains(keys[1])  # the oldest untouched one went
     assert a.contains(keys[2]) and a.contains(keys[3]) and a.contains(new[0])
     a.arena.close()
+
+
+def test_disk_slabs_are_fsynced_once_each_before_their_references(shm_root, engine, slab_mode):
+    """TLLM_GDS_KV_FSYNC with slabs on disk: one fsync per slab written in the batch, before the
+    reference file; a failed fsync fails that slab's blocks and frees their slots."""
+    if slab_mode == "mapped":
+        pytest.skip("disk slabs only")
+    from gds_kv_connector.fileops import FileOps
+
+    class _Syncs(FileOps):
+        def __init__(self):
+            self.fds: list[int] = []
+            self.fail = False
+
+        def fsync(self, fd):
+            self.fds.append(fd)
+            if self.fail:
+                raise OSError(5, "fsync failed")
+            super().fsync(fd)
+
+    ops = _Syncs()
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True, fsync=True, ops=ops)
+    pool.arena = _arena(pool, engine, 4, 2, 0.0)  # two slabs of two slots
+    pool.arena.start(background=False)
+    keys, d = _keys(3), _data(3, 24)
+    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    assert out.published == 3 and len(ops.fds) == 2 and len(set(ops.fds)) == 2
+    assert torch.equal(_load(pool, engine, keys), d)
+    ops.fail = True
+    more = _keys(1, b"more")
+    out = save_blocks(pool, engine, more, [ZERO_KEY], [_data(1, 25)[0]])
+    assert out.published == 0 and [cause for _, cause in out.failed] == ["EIO"]
+    assert not os.path.exists(pool.path_for(more[0]))
+    assert pool.arena.usage()["used_slots"] == 3 and pool.arena.usage()["ready_slots"] == 1
+    pool.arena.close()
+
+
+def test_a_slab_removed_under_its_references_fails_the_load_cleanly(shm_root, engine, slab_mode):
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    keys, d = _keys(2), _data(2, 26)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    a.arena.close()
+    for name in os.listdir(a.arena.dir):
+        os.unlink(os.path.join(a.arena.dir, name))
+    b = _pool(shm_root, engine, 2, per_slab=2)
+    with pytest.raises(LoadFailure, match="slab"):
+        _load(b, engine, keys)
+    b.arena.close()
