@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_settings)
     for name, fn, help_ in (("doctor", cmd_doctor, "what this machine supports (GDS, cuFile, O_DIRECT, filesystem)"),
                             ("stats", cmd_stats, "blocks, bytes, per-fingerprint breakdown, owners' counters"),
-                            ("gc", cmd_gc, "evict to the quota now, or expire blocks by age"),
+                            ("gc", cmd_gc, "evict to the quota now, expire blocks by age, remove arena slabs "
+                                                  "no owner holds or names"),
                             ("verify", cmd_verify, "re-check every header and checksum; quarantine bad files")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("--root", help=f"pool root (default: ${ENV_PREFIX}ROOT)")

@@ -25,6 +25,7 @@ from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse
 from .pool_scan import (BlockFile, fingerprint_dirs, layout_dir, owners_dir, quarantine_destination,
                         quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
+from .slab_gc import remove_orphan_slabs
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # verify found bad files, or gc could not bring the pool within its budget
@@ -118,9 +119,10 @@ def gc(root: str, quota_bytes: int, low_watermark: float, max_age_s: float = 0.0
     if not (reports and reports[0].skipped):
         reports.append(evict(root, quota_bytes, low_watermark, min_free_bytes, grace_s, now, dry_run=dry_run))
     skipped = any(r.skipped for r in reports)
+    slabs = remove_orphan_slabs(root, dry_run, now)
     last = reports[-1]
     within = not skipped and last.reached_target
-    return {"root": os.path.abspath(root), "dry_run": dry_run, "skipped": skipped,
+    return {"root": os.path.abspath(root), "dry_run": dry_run, "skipped": skipped, **slabs.to_dict(),
             "within_budget": within, "runs": [r.to_dict() for r in reports],
             "evicted_blocks": sum(r.evicted_blocks for r in reports),
             "evicted_bytes": sum(r.evicted_bytes for r in reports),
@@ -142,6 +144,10 @@ def format_gc(result: dict[str, Any]) -> str:
         if r["tmp_removed"] or r["quarantine_removed"] or r["logs_folded"]:
             lines.append(f"  tidied {r['tmp_removed']} stale temporary files, {r['quarantine_removed']} old "
                          f"quarantined files, {r['logs_folded']} idle access logs")
+    if result["slabs_removed"] or result["slabs_kept_referenced"]:
+        lines.append(f"  arena slabs no owner holds: {verb} {result['slabs_removed']} "
+                     f"({_human(result['slab_bytes_removed'])}), kept {result['slabs_kept_referenced']} that "
+                     "references still name")
     if not result["within_budget"]:
         lines.append("  the pool is still over its budget: blocks within the grace period or failures "
                      "kept it there")

@@ -62,7 +62,7 @@ def owners_dir(root: str) -> str:
 
 def fingerprint_dirs(root: str) -> list[str]:
     """Names of the fingerprint directories (16 hex digits); other entries are not blocks."""
-    return sorted(n for n in _listdir(layout_dir(root)) if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
+    return sorted(n for n in list_dir(layout_dir(root)) if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
 
 
 def scan_pool(root: str) -> PoolScan:
@@ -71,7 +71,7 @@ def scan_pool(root: str) -> PoolScan:
     base = layout_dir(root)
     for fp in fingerprint_dirs(root):
         fp_dir = os.path.join(base, fp)
-        for sub in _listdir(fp_dir):
+        for sub in list_dir(fp_dir):
             d = os.path.join(fp_dir, sub)
             if len(sub) != 2 or not set(sub) <= _HEX:
                 continue
@@ -140,7 +140,8 @@ def quarantined_at_ns(path: str) -> int:
     return os.stat(path, follow_symlinks=False).st_ctime_ns
 
 
-def _listdir(d: str) -> list[str]:
+def list_dir(d: str) -> list[str]:
+    """Names in ``d``; none when it is gone or not a directory (another owner may remove it)."""
     try:
         return os.listdir(d)
     except (FileNotFoundError, NotADirectoryError):

@@ -497,3 +497,34 @@ def test_a_slab_removed_under_its_references_fails_the_load_cleanly(shm_root, en
     with pytest.raises(LoadFailure, match="slab"):
         _load(b, engine, keys)
     b.arena.close()
+
+
+def test_gc_removes_slabs_no_owner_holds_and_no_reference_names(shm_root, engine, slab_mode):
+    from gds_kv_connector.ops_commands import format_gc, gc
+
+    a = _pool(shm_root, engine, 4, per_slab=2)  # two slabs; the batch below fills only the first
+    keys, d = _keys(2), _data(2, 27)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    used = a.arena.cached_ref(keys[0]).slab
+    slabs = sorted(os.listdir(a.arena.dir))
+    assert len(slabs) == 2
+    later = time.time() + 120  # past the age under which a slab may still be being created
+    # the owner is alive: its slabs are held, nothing goes
+    r = gc(shm_root, 0, 0.9, now=later)
+    assert (r["slabs_removed"], r["slabs_held_by_owners"]) == (0, 2)
+    a.arena.close()
+    # a fresh slab (ctime within the last minute) is left alone: its creator locks it after creating it
+    assert gc(shm_root, 0, 0.9)["slabs_removed"] == 0
+    r = gc(shm_root, 0, 0.9, dry_run=True, now=later)
+    assert (r["slabs_removed"], r["slabs_kept_referenced"]) == (1, 1) and len(os.listdir(a.arena.dir)) == 2
+    r = gc(shm_root, 0, 0.9, now=later)
+    assert (r["slabs_removed"], r["slabs_kept_referenced"]) == (1, 1)
+    assert r["slab_bytes_removed"] == 2 * a.file_size and "arena slabs no owner holds" in format_gc(r)
+    assert os.listdir(a.arena.dir) == [used]
+    b = _pool(shm_root, engine, 2, per_slab=2)  # adopts the slab that is left, serves its blocks
+    assert b.arena.usage()["slabs_adopted"] == 1
+    assert torch.equal(_load(b, engine, keys), d)
+    b.arena.close()
+    for k in keys:  # once no reference names it, it goes too
+        os.unlink(b.path_for(k))
+    assert gc(shm_root, 0, 0.9, now=later)["slabs_removed"] == 1 and os.listdir(a.arena.dir) == []

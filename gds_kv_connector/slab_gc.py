@@ -1,0 +1,126 @@
+"""Removing arena slabs that no owner holds and no reference names (``gds-kv gc``).
+
+A slab outlives its owner so the next process can adopt it (arena.py).  When fewer owners come
+back than left, their slabs stay: on tmpfs that is host memory, on a disk pool disk space, held
+until someone adopts them.  A slab can go once two things hold together:
+
+* its ``flock`` is free, and this process takes it (``LOCK_EX|LOCK_NB``) and keeps it while it
+  decides, so no owner can adopt the slab meanwhile and start publishing into it;
+* no reference file in the slab's fingerprint directory names it.  Only a slab's owner links
+  references to it, and there is none while the lock is held here, so none can appear.
+
+Reference files are recognised by their magic and size only, and any that names the slab keeps
+it: a damaged or foreign reference errs towards keeping bytes, never towards removing a slab
+that a valid reference still needs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from dataclasses import dataclass, field
+
+from .arena import SLAB_SUFFIX, SLABS_DIR
+from .pool_format import REF_HEADER_SIZE, REF_MAGIC, is_ref_size
+from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
+
+_NAME_FIELD = slice(56, 120)
+FRESH_S = 60.0  # the slab name in a reference file's fixed part (docs/format.md)
+
+
+@dataclass
+class SlabReport:
+    removed: list[str] = field(default_factory=list)  # paths
+    removed_bytes: int = 0
+    kept_referenced: int = 0  # free slabs some reference still names
+    held: int = 0  # slabs a live owner holds (or one created in the last FRESH_S)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"slabs_removed": len(self.removed), "slab_bytes_removed": self.removed_bytes,
+                "slabs_kept_referenced": self.kept_referenced, "slabs_held_by_owners": self.held}
+
+
+def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = None) -> SlabReport:
+    """Remove (or with ``dry_run`` only count) every slab below ``root`` that is unowned and unnamed.
+    A slab changed in the last ``FRESH_S`` is left alone: its creator opens it before it locks it."""
+    report = SlabReport()
+    now = time.time() if now is None else now
+    base = layout_dir(root)
+    locked: dict[str, int] = {}  # slab path -> descriptor holding its lock
+    try:
+        for fp in fingerprint_dirs(root):
+            slab_dir = os.path.join(base, fp, SLABS_DIR)
+            for name in sorted(list_dir(slab_dir)):
+                if not name.endswith(SLAB_SUFFIX) or name.startswith("."):
+                    continue
+                fd = _lock(os.path.join(slab_dir, name), now)
+                if fd is None:
+                    report.held += 1
+                else:
+                    locked[os.path.join(slab_dir, name)] = fd
+        if not locked:
+            return report
+        # Walked only now, with the locks held: a reference its owner linked before it died, after
+        # any earlier walk, is seen.
+        scan = scan_pool(root)
+        named = _referenced_slabs([b for b in scan.blocks if is_ref_size(b.size)])
+        for path, fd in locked.items():
+            fp = os.path.basename(os.path.dirname(os.path.dirname(path)))
+            if (fp, os.path.basename(path)) in named:
+                report.kept_referenced += 1
+                continue
+            size = os.fstat(fd).st_size
+            if not dry_run:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+            report.removed.append(path)
+            report.removed_bytes += size
+    finally:
+        for fd in locked.values():
+            os.close(fd)
+    return report
+
+
+def _lock(path: str, now: float) -> int | None:
+    """A descriptor holding the slab's owner lock, or None when a live owner holds it, it is
+    being created, or it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if now - os.fstat(fd).st_ctime < FRESH_S:
+        os.close(fd)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _referenced_slabs(refs: list[BlockFile]) -> set[tuple[str, str]]:
+    """(fingerprint directory, slab name) of every slab the reference files in ``refs`` name; one
+    read per inode (a batch's reference is hard-linked under every key of the batch)."""
+    named: set[tuple[str, str]] = set()
+    seen: set[int] = set()
+    for ref in refs:
+        if ref.ino in seen:
+            continue
+        seen.add(ref.ino)
+        try:
+            fd = os.open(ref.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            raw = os.pread(fd, REF_HEADER_SIZE, 0)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if len(raw) == REF_HEADER_SIZE and raw[:8] == REF_MAGIC:
+            named.add((ref.fp, raw[_NAME_FIELD].rstrip(b"\0").decode("ascii", "replace")))
+    return named
