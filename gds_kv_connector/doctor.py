@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 from . import native
+from .arena import HOST_FS_TYPES
 from .mounts import mount_of
 from .settings import Settings, SettingsError
 
@@ -52,6 +53,7 @@ def doctor_report(root: str | None, probe: bool = True) -> dict[str, Any]:
         "cufile_json": _cufile_json_facts(),
         "roots": [_root_facts(r) for r in (root or "").split(":") if r],
         "compat_io": _compat_io(),
+        "arena_bytes": _arena_bytes(),
     }
     report["probe"] = _probe_facts(report) if probe else {"ran": False, "ok": None, "reason": "not requested"}
     report["warnings"] = _warnings(report)
@@ -94,6 +96,9 @@ def format_doctor(report: dict[str, Any]) -> str:
         odirect = "ok" if r["o_direct_write"] else f"failed ({r['o_direct_error']})"
         lines.append(f"root {r['path']}: {r['fs_type']} ({r['mount_source']} on {r['mount_point']}), "
                      f"O_DIRECT 4 KiB write {odirect}, {_gib(r['free_bytes'])} free of {_gib(r['total_bytes'])}")
+        if report["arena_bytes"]:
+            kind = "mapped slabs" if r["fs_type"] in HOST_FS_TYPES else "slabs moved with O_DIRECT"
+            lines.append(f"  slot arena: {_gib(report['arena_bytes'])} per owner, {kind} (TLLM_GDS_KV_ARENA_BYTES)")
     p = report["probe"]
     lines.append(f"cuFile probe: {'not run' if not p['ran'] else ('ok' if p['ok'] else 'FAILED')} ({p['reason']})")
     lines.extend(f"warning: {w}" for w in report["warnings"])
@@ -283,6 +288,10 @@ def _warnings(report: dict[str, Any]) -> list[str]:
         if not r["o_direct_write"]:
             out.append(f"root {r['path']}: O_DIRECT is unavailable ({r['o_direct_error']}); "
                        "transfers go through the page cache")
+        if report["arena_bytes"] > r["free_bytes"]:
+            out.append(f"root {r['path']}: the slot arena ({_gib(report['arena_bytes'])} per owner) does not fit "
+                       f"in its {_gib(r['free_bytes'])} free; slabs stop where the space ends and saves that "
+                       "find no slot are written as block files")
         if k.get("importable") and r["fs_type"] not in GDS_FILESYSTEMS:
             out.append(f"root {r['path']} is {r['fs_type']}, which GDS does not serve: "
                        "cuFile would fall back to its compat mode there")
@@ -298,6 +307,14 @@ def _compat_io() -> str:
         return Settings.load_from(require_root=False).compat_io
     except SettingsError as exc:
         return f"invalid ({exc})"
+
+
+def _arena_bytes() -> int:
+    """TLLM_GDS_KV_ARENA_BYTES as the worker will read it (0 when unset or invalid: settings says why)."""
+    try:
+        return Settings.load_from(require_root=False).arena_bytes
+    except SettingsError:
+        return 0
 
 
 def _verdict(report: dict[str, Any]) -> str:

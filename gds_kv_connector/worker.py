@@ -86,8 +86,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                                          on_saved=self.capacity.note_saved, record_event=self._record_event)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
                                           self.stats, self.pool))
-        log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s)", kv.num_blocks,
-                 kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe())
+        arena = self.pool.arena
+        log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s), %s", kv.num_blocks,
+                 kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe(),
+                 "one file per block" if arena is None else
+                 f"slot arena of {self.settings.arena_bytes} bytes, "
+                 f"{'mapped slabs' if arena.mapped else 'slabs moved with O_DIRECT'}")
 
     # -- per iteration ----------------------------------------------------------------------------
     def start_load_kv(self, stream: Any) -> None:

@@ -91,3 +91,17 @@ def test_compat_io_is_read_from_the_environment(monkeypatch, tmp_path):
     assert doctor_report(str(tmp_path), probe=False)["compat_io"] == "kvikio"
     monkeypatch.setenv("TLLM_GDS_KV_COMPAT_IO", "bogus")
     assert doctor_report(str(tmp_path), probe=False)["compat_io"].startswith("invalid (")
+
+
+def test_arena_kind_and_an_arena_larger_than_the_free_space_are_reported(monkeypatch, tmp_path):
+    from gds_kv_connector.doctor import format_doctor
+
+    assert doctor_report(str(tmp_path), probe=False)["arena_bytes"] == 0
+    monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", "1MiB")
+    report = doctor_report(str(tmp_path), probe=False)
+    assert report["arena_bytes"] == 1 << 20 and not any("slot arena" in w for w in report["warnings"])
+    kind = "mapped slabs" if report["roots"][0]["fs_type"] in ("tmpfs", "ramfs", "hugetlbfs") else "O_DIRECT"
+    assert "slot arena: " in format_doctor(report) and kind in format_doctor(report)
+    monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", str(report["roots"][0]["free_bytes"] + (1 << 40)))
+    report = doctor_report(str(tmp_path), probe=False)
+    assert any("does not fit" in w for w in report["warnings"])
