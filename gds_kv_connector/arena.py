@@ -95,7 +95,7 @@ class ArenaError(RuntimeError):
 
 
 class SlotArena:
-    """One process's slabs in one pool directory, plus read mappings of other owners' slabs."""
+    """One process's slabs in one pool directory, plus the other owners' slabs it reads from."""
 
     def __init__(self, pool: BlockPool, mapper: HostMapper, capacity_bytes: int, slab_bytes: int,
                  reuse_delay_s: float, clock: Callable[[], float] = time.monotonic, mapped: bool = True) -> None:
@@ -326,7 +326,8 @@ class SlotArena:
     def _record_at(self, slab: Slab, slot: int) -> SlotRef | None:
         off = slot * self.slot_bytes
         try:
-            raw = bytes(slab.mm[off:off + HEADER_SIZE]) if slab.mm is not None else os.pread(slab.fd, HEADER_SIZE, off)
+            raw = (bytes(slab.mm[off:off + HEADER_SIZE]) if slab.mm is not None
+                   else os.pread(slab.fd, HEADER_SIZE, off))
             h = parse_header(raw, fingerprint=self.pool.fingerprint, payload_len=self.pool.payload_len)
         except (FormatError, OSError):
             return None

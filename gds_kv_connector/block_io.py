@@ -334,11 +334,11 @@ def _reread_moved_slot(pool: BlockPool, engine: IoEngine, pin: Pin, view: torch.
     """A disk slot's header did not match its reference.  A reference read from the pool is
     damaged or stale: quarantined, LoadFailure.  A location this process remembered may be out of
     date (evicted by another owner, slot reused): the key is resolved afresh and read once more."""
-    assert pool.arena is not None
+    assert pool.arena is not None and pin.slot is not None
     pool.arena.forget(pin.key)
     if pin.ino != 0:
         pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
-        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")  # type: ignore[union-attr]
+        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
     try:
         fresh = pool.pin(pin.key)
     except (OSError, FormatError) as again:

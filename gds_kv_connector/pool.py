@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
-from .pool_format import (HEADER_SIZE, MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
+from .pool_format import (MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
                           SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_refs)
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gds_kv_connector import arena as arena_mod
-from gds_kv_connector.arena import ArenaError, SlotArena, start_arena
+from gds_kv_connector.arena import SlotArena, start_arena
 from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save_blocks
 from gds_kv_connector.engines.host_dma import coalesce
 from gds_kv_connector.engines.posix import PosixEngine

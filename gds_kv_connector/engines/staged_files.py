@@ -7,8 +7,9 @@ coalesced DMA (55 GB/s on the H200 host) into page-aligned staging slots, then e
 written with one O_DIRECT ``pwrite`` on an I/O thread: its header page (``TransferItem.header``),
 payload and zero padding together, so a block costs the disk one write and, loading, one read.
 Items that sit end to end in one file (arena slots of a slab on disk, saved or loaded together)
-share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged (payload at ``HEADER_SIZE``, zero
-padding to a page), so files written either way are read either way.  A filesystem that refuses O_DIRECT (tmpfs on
+share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged
+(payload at ``HEADER_SIZE``, zero padding to a page), so files written either way are read
+either way.  A filesystem that refuses O_DIRECT (tmpfs on
 older kernels) gets the same writes through the plain descriptor.
 
 The DMA is a callable (:class:`~.host_dma.CudaHostDma` on GPU hosts), so the CPU tests drive
