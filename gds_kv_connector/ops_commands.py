@@ -20,7 +20,7 @@ from typing import Any
 from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict, expire
 from .metrics import read_owner_stats
-from .arena import SLABS_DIR
+from .arena import SLAB_SUFFIX, SLABS_DIR
 from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header, parse_ref
 from .pool_scan import (BlockFile, fingerprint_dirs, layout_dir, owners_dir, quarantine_destination,
                         quarantine_dir, read_geometry, scan_pool)
@@ -61,6 +61,9 @@ def stats(root: str, now: float | None = None) -> dict[str, Any]:
     for entry in per_fp.values():
         tpb = entry["tokens_per_block"]
         entry["tokens"] = entry["blocks"] * tpb if isinstance(tpb, int) else None
+    for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are
+        sizes = _files_with_sizes(os.path.join(layout_dir(root), fp, SLABS_DIR), SLAB_SUFFIX)
+        entry["slabs"], entry["slab_bytes"] = len(sizes), sum(sizes)
     owners = {}
     totals: Counter[str] = Counter()
     for owner, data in sorted(read_owner_stats(root).items()):
@@ -90,6 +93,9 @@ def format_stats(result: dict[str, Any]) -> str:
     for fp, e in result["fingerprints"].items():
         tokens = f", {e['tokens']} tokens" if e["tokens"] is not None else ""
         lines.append(f"  {fp}  {e['blocks']:>9} blocks {_human(e['bytes']):>10}{tokens}  {e['geometry'] or '?'}")
+        if e["slabs"]:
+            lines.append(f"  {'':16}  {e['slabs']:>9} arena slabs {_human(e['slab_bytes'])} (blocks in slots; "
+                         "their names above are reference files)")
     fs = result["filesystem"]
     if fs["free_bytes"] is not None:
         lines.append(f"filesystem: {_human(fs['free_bytes'])} free of {_human(fs['total_bytes'])}")

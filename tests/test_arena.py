@@ -528,3 +528,16 @@ def test_gc_removes_slabs_no_owner_holds_and_no_reference_names(shm_root, engine
     for k in keys:  # once no reference names it, it goes too
         os.unlink(b.path_for(k))
     assert gc(shm_root, 0, 0.9, now=later)["slabs_removed"] == 1 and os.listdir(a.arena.dir) == []
+
+
+def test_stats_counts_arena_slabs_per_fingerprint(shm_root, engine, slab_mode):
+    from gds_kv_connector.ops_commands import format_stats, stats
+
+    a = _pool(shm_root, engine, 4, per_slab=2)
+    keys, d = _keys(3), _data(3, 28)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+    r = stats(shm_root)
+    (entry,) = r["fingerprints"].values()
+    assert entry["blocks"] == 3 and entry["slabs"] == 2 and entry["slab_bytes"] == 4 * a.file_size
+    assert "2 arena slabs" in format_stats(r)
+    a.arena.close()
