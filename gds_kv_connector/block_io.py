@@ -334,15 +334,8 @@ def _reread_moved_slot(pool: BlockPool, engine: IoEngine, pin: Pin, view: torch.
     """A disk slot's header did not match its reference.  A reference read from the pool is
     damaged or stale: quarantined, LoadFailure.  A location this process remembered may be out of
     date (evicted by another owner, slot reused): the key is resolved afresh and read once more."""
-    assert pool.arena is not None and pin.slot is not None
-    pool.arena.forget(pin.key)
-    if pin.ino != 0:
-        pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
-        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
-    try:
-        fresh = pool.pin(pin.key)
-    except (OSError, FormatError) as again:
-        raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
+    assert pool.arena is not None
+    fresh = _repin_stale_slot(pool, pin, err)
     header = bytearray(HEADER_SIZE)
     try:
         _read_pinned(pool, engine, [fresh], [view], {0: header}, [0], retries, deadline)
@@ -357,6 +350,22 @@ def _reread_moved_slot(pool: BlockPool, engine: IoEngine, pin: Pin, view: torch.
     finally:
         pool.unpin(fresh)
         pin.slot, pin.ino = fresh.slot, fresh.ino
+
+
+def _repin_stale_slot(pool: BlockPool, pin: Pin, err: Exception) -> Pin:
+    """A slot pin whose header failed its check (``err``): the location is forgotten; a reference
+    read from the pool is quarantined (when the slot's bytes, not its slab, were wrong) and the
+    load fails; a location this process remembered is resolved afresh from the pool instead."""
+    assert pool.arena is not None and pin.slot is not None
+    pool.arena.forget(pin.key)
+    if pin.ino != 0:
+        if isinstance(err, FormatError):
+            pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
+        raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
+    try:
+        return pool.pin(pin.key)
+    except (OSError, FormatError) as again:
+        raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
 
 
 def _check_slots(pool: BlockPool, pins: list[Pin]) -> tuple[list[int], bytes, list[int]]:
@@ -378,15 +387,8 @@ def _check_slots(pool: BlockPool, pins: list[Pin]) -> tuple[list[int], bytes, li
         if bad < 0:
             break
         pin = pins[lo + bad]
-        arena.forget(pin.key)
-        if pin.ino != 0:
-            if isinstance(err, FormatError):
-                pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
-            raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
-        try:
-            fresh = pool.pin(pin.key)
-        except (OSError, FormatError) as again:
-            raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
+        assert err is not None  # check_records names the error of the slot it stopped at
+        fresh = _repin_stale_slot(pool, pin, err)
         if fresh.slot is None:
             pool.unpin(fresh)
             raise LoadFailure(pin.key, pin.path, "arena slot gone; the key now names a block file")
