@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -39,6 +40,12 @@ def test_operator_commands_on_a_demo_pool(tmp_path):
         fh.write(b"\xff\xfe")
     bad = run("verify", "--root", str(pool), "--json")
     assert bad.returncode == 1 and json.loads(bad.stdout)["bad"] == 1 and not victim.exists()
+    before = sorted(p.name for p in (pool / "gdskv-v1").rglob("*.blk"))
+    no_grace = {**os.environ, "TLLM_GDS_KV_EVICT_GRACE_S": "0"}  # the demo's blocks are seconds old
+    dry = subprocess.run([sys.executable, "-m", "gds_kv_connector.cli", "gc", "--root", str(pool), "--quota", "1MiB",
+                          "--dry-run", "--json"], capture_output=True, text=True, timeout=300, env=no_grace)
+    assert json.loads(dry.stdout)["dry_run"] and json.loads(dry.stdout)["evicted_blocks"] > 0
+    assert sorted(p.name for p in (pool / "gdskv-v1").rglob("*.blk")) == before  # nothing removed
     gc = run("gc", "--root", str(pool), "--quota", "1MiB", "--json")
     assert gc.returncode in (0, 1) and "exit_code" in json.loads(gc.stdout)
     doc = run("doctor", "--root", str(pool), "--json")
