@@ -18,7 +18,8 @@ disk saves at about half the disk's write rate on the H200 host (issue 7).
 Rules that keep readers safe without a lock shared between processes:
 
 * Only the slab's owner writes it.  The owner holds ``flock(LOCK_EX)`` on the slab for its whole
-  life; a later process that obtains the lock knows the owner is gone and adopts the slab.
+  life; a later process on the same host that obtains the lock knows the owner is gone and adopts
+  the slab (only the same host: some shared filesystems keep flocks per node).
 * A slot is reused only after no reference points at it (evicted by anyone, or by the owner when
   the arena is full) and a further ``reuse_delay_s`` has passed.
 * Mapped slabs: the owner clears a slot's header before it overwrites the payload and writes the
@@ -150,7 +151,7 @@ class SlotArena:
                 if self.owned_slots >= self.capacity_slots or self._closed:
                     break
                 mapped = self._slabs.get(name)
-                if name.endswith(SLAB_SUFFIX) and (mapped is None or not mapped.owned):
+                if name.endswith(SLAB_SUFFIX) and slab_host_is_this(name) and (mapped is None or not mapped.owned):
                     self._try_adopt(name)
             while self.owned_slots < self.capacity_slots and not self._closed:
                 self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
@@ -177,10 +178,8 @@ class SlotArena:
 
     # -- slabs ------------------------------------------------------------------------------------
     def _create_slab(self, nslots: int) -> None:
-        from .pool import _HOST
-
         # host (cut to 32) + pid (<= 7 digits) + 12 hex digits + suffix stays within the 64-byte name field
-        name = check_slab_name(f"{_HOST[:32]}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
+        name = check_slab_name(f"{_slab_host()}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
         path = os.path.join(self.dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
         try:
@@ -527,6 +526,19 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
         else:
             out.append([slot, 1])
     return [(first, count) for first, count in out]
+
+
+def _slab_host() -> str:
+    from .pool import _HOST
+
+    return _HOST[:32]
+
+
+def slab_host_is_this(name: str) -> bool:
+    """Whether a slab was created on this host (its name starts with this host's name).  Only such
+    slabs are adopted or removed here: the owner lock is a ``flock``, which some shared filesystems
+    keep per node, so a free lock seen from another node does not prove the owner is gone."""
+    return name.split("-", 1)[0] == _slab_host()
 
 
 def _preallocate(fd: int, nbytes: int) -> None:

@@ -2,8 +2,10 @@
 
 A slab outlives its owner so the next process can adopt it (arena.py).  When fewer owners come
 back than left, their slabs stay: on tmpfs that is host memory, on a disk pool disk space, held
-until someone adopts them.  A slab can go once two things hold together:
+until someone adopts them.  A slab can go once three things hold together:
 
+* it was created on this host (some shared filesystems keep ``flock`` per node, so a free lock
+  seen from another node proves nothing; run gc on each node);
 * its ``flock`` is free, and this process takes it (``LOCK_EX|LOCK_NB``) and keeps it while it
   decides, so no owner can adopt the slab meanwhile and start publishing into it;
 * no reference file in the slab's fingerprint directory names it.  Only a slab's owner links
@@ -21,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .arena import SLAB_SUFFIX, SLABS_DIR
+from .arena import SLAB_SUFFIX, SLABS_DIR, slab_host_is_this
 from .pool_format import REF_HEADER_SIZE, REF_MAGIC, is_ref_size
 from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
 
@@ -35,10 +37,12 @@ class SlabReport:
     removed_bytes: int = 0
     kept_referenced: int = 0  # free slabs some reference still names
     held: int = 0  # slabs a live owner holds (or one created in the last FRESH_S)
+    other_hosts: int = 0  # slabs created on another host: left to a gc run there
 
     def to_dict(self) -> dict[str, int]:
         return {"slabs_removed": len(self.removed), "slab_bytes_removed": self.removed_bytes,
-                "slabs_kept_referenced": self.kept_referenced, "slabs_held_by_owners": self.held}
+                "slabs_kept_referenced": self.kept_referenced, "slabs_held_by_owners": self.held,
+                "slabs_of_other_hosts": self.other_hosts}
 
 
 def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = None) -> SlabReport:
@@ -53,6 +57,9 @@ def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = No
             slab_dir = os.path.join(base, fp, SLABS_DIR)
             for name in sorted(list_dir(slab_dir)):
                 if not name.endswith(SLAB_SUFFIX) or name.startswith("."):
+                    continue
+                if not slab_host_is_this(name):
+                    report.other_hosts += 1
                     continue
                 fd = _lock(os.path.join(slab_dir, name), now)
                 if fd is None:

@@ -541,3 +541,30 @@ def test_stats_counts_arena_slabs_per_fingerprint(shm_root, engine, slab_mode):
     assert entry["blocks"] == 3 and entry["slabs"] == 2 and entry["slab_bytes"] == 4 * a.file_size
     assert "2 arena slabs" in format_stats(r)
     a.arena.close()
+
+
+def test_slabs_of_another_host_are_read_but_never_adopted_or_collected(shm_root, engine, monkeypatch):
+    """A flock may be per node on a shared filesystem: a free lock seen from another host does not
+    prove the owner is gone, so only the host that created a slab adopts or removes it."""
+    import gds_kv_connector.pool as pool_mod
+    from gds_kv_connector.ops_commands import gc
+
+    monkeypatch.setattr(pool_mod, "_HOST", "nodea")
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    keys, d = _keys(2), _data(2, 29)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    a.arena.close()
+    (slab,) = os.listdir(a.arena.dir)
+    assert slab.startswith("nodea-")
+    monkeypatch.setattr(pool_mod, "_HOST", "nodeb")
+    b = _pool(shm_root, engine, 2, per_slab=2)
+    assert b.arena.usage().get("slabs_adopted", 0) == 0 and b.arena.usage()["slabs_created"] == 1
+    assert torch.equal(_load(b, engine, keys), d)  # reading another host's slab is fine
+    b.arena.close()
+    for k in keys:
+        os.unlink(b.path_for(k))  # unreferenced now, but still not nodeb's to remove
+    r = gc(shm_root, 0, 0.9, now=time.time() + 120)  # nodeb removes its own unused slab only
+    assert (r["slabs_removed"], r["slabs_of_other_hosts"]) == (1, 1) and os.listdir(a.arena.dir) == [slab]
+    monkeypatch.setattr(pool_mod, "_HOST", "nodea")
+    r = gc(shm_root, 0, 0.9, now=time.time() + 120)
+    assert (r["slabs_removed"], r["slabs_of_other_hosts"]) == (1, 0) and os.listdir(a.arena.dir) == []
