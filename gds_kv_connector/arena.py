@@ -150,8 +150,8 @@ class SlotArena:
             for name in sorted(os.listdir(self.dir)):
                 if self.owned_slots >= self.capacity_slots or self._closed:
                     break
-                mapped = self._slabs.get(name)
-                if name.endswith(SLAB_SUFFIX) and slab_host_is_this(name) and (mapped is None or not mapped.owned):
+                known = self._slabs.get(name)
+                if name.endswith(SLAB_SUFFIX) and slab_host_is_this(name) and (known is None or not known.owned):
                     self._try_adopt(name)
             while self.owned_slots < self.capacity_slots and not self._closed:
                 self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))

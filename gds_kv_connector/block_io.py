@@ -162,18 +162,17 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
             arena.release(*where)
             out.failed.append((keys[i], _cause(err)))
     if pool.fsync:  # one fsync per slab written, before any reference names its slots
-        synced: dict[str, BaseException | None] = {}
+        unsynced: dict[str, OSError] = {}
         for slab in {where[0] for _, where in ok}:
             try:
                 pool.ops.fsync(arena.slab_fd(slab)[0])
-                synced[slab] = None
             except OSError as exc:
-                synced[slab] = exc
+                unsynced[slab] = exc
         for i, where in ok:
-            if synced[where[0]] is not None:
+            if where[0] in unsynced:
                 arena.release(*where)
-                out.failed.append((keys[i], _cause(synced[where[0]])))  # type: ignore[arg-type]
-        ok = [(i, where) for i, where in ok if synced[where[0]] is None]
+                out.failed.append((keys[i], _cause(unsynced[where[0]])))
+        ok = [(i, where) for i, where in ok if where[0] not in unsynced]
     if ok:
         _publish_slots(pool, [keys[i] for i, _ in ok], [where for _, where in ok], now, out)
 

@@ -600,6 +600,19 @@ class ConnectorRig:
         self.engine.close()
 
 
+def load_keys(pool: BlockPool, engine: Any, keys: list[bytes], views: list[torch.Tensor], retries: int,
+              timeout_s: float) -> int:
+    """Pin, load (checksums verified) and unpin one batch, as a connector's transfer thread does;
+    returns the bytes loaded."""
+    pins = pin_blocks(pool, keys)
+    try:
+        return load_blocks(pool, engine, pins, views, verify=True, retries=retries,
+                           deadline=time.monotonic() + timeout_s)
+    finally:
+        for p in pins:
+            pool.unpin(p)
+
+
 def _save_timing(nbytes: int, secs: float, sync_s: float) -> dict:
     """A save row's bytes and times: GBps counts until syncfs returned, returned_GBps without it."""
     return {"bytes": nbytes, "seconds": round(secs, 4), "syncfs_seconds": round(sync_s, 4),
@@ -659,13 +672,8 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
 
     def do_load(idx: list[int]) -> int:
         with tracer.rf(f"bench/load_blocks x{len(idx)}"):
-            pins = pin_blocks(pool, [keys[i] for i in idx])
-            try:
-                return load_blocks(pool, engine, pins, [views[i] for i in idx], verify=True, retries=2,
-                                   deadline=time.monotonic() + 120)
-            finally:
-                for p in pins:
-                    pool.unpin(p)
+            return load_keys(pool, engine, [keys[i] for i in idx], [views[i] for i in idx], retries=2,
+                             timeout_s=120)
 
     batches = [saved[i:i + batch_blocks] for i in range(0, len(saved), batch_blocks)]
     with tracer.rf(f"bench/connector/{label}/load"):

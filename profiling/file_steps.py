@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import _run_batches  # noqa: E402
+from bench import _run_batches, load_keys  # noqa: E402
 
 from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
-from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
@@ -121,13 +121,7 @@ def main() -> None:
             return out.bytes_written
 
         def load(b: list[int]) -> int:
-            pins = pin_blocks(pool, [keys[i] for i in b])
-            try:
-                return load_blocks(pool, engine, pins, [views[i] for i in b], verify=True, retries=1,
-                                   deadline=time.monotonic() + 60)
-            finally:
-                for p in pins:
-                    pool.unpin(p)
+            return load_keys(pool, engine, [keys[i] for i in b], [views[i] for i in b], retries=1, timeout_s=60)
 
         _, save_s, _, _ = _run_batches(batches, save, a.transfer_threads, float("inf"))
         t0 = time.perf_counter()

@@ -9,8 +9,8 @@ payload and zero padding together, so a block costs the disk one write and, load
 Items that sit end to end in one file (arena slots of a slab on disk, saved or loaded together)
 share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged
 (payload at ``HEADER_SIZE``, zero padding to a page), so files written either way are read
-either way.  A filesystem that refuses O_DIRECT (tmpfs on
-older kernels) gets the same writes through the plain descriptor.
+either way.  A filesystem that refuses O_DIRECT (tmpfs on older kernels) gets the same writes
+through the plain descriptor.
 
 The DMA is a callable (:class:`~.host_dma.CudaHostDma` on GPU hosts), so the CPU tests drive
 this module with host tensors and ``memmove``.
@@ -147,14 +147,14 @@ class StagedFileIo:
     def _run(self, items: list[TransferItem], write: bool) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
-        # Items with a header move it in the same I/O: the slot then starts at file offset 0.
         # Items with a header move it in the same I/O: their slot starts that many bytes before the payload.
         leads = [0 if it.header is None else len(it.header) for it in items]
         for i, (it, lead) in enumerate(zip(items, leads)):
             if lead and (lead > it.offset or lead % PAGE):
                 results[i] = ValueError(f"a header of {lead} bytes before payload offset {it.offset} cannot join "
                                         "the payload's I/O (it must be whole pages inside the file)")
-        pitch, chunks = plan_chunks([lead + align_up(n, PAGE) for lead, n in zip(leads, sizes)], self._stage_bytes)
+        spans = [lead + align_up(n, PAGE) for lead, n in zip(leads, sizes)]  # each item's bytes on disk
+        pitch, chunks = plan_chunks(spans, self._stage_bytes)
         if not chunks:
             return results
         stage = self._stage(pitch * len(chunks[0]))
@@ -170,11 +170,11 @@ class StagedFileIo:
                     for i in chunk:
                         results[i] = exc
                     continue
-            runs = plan_runs([(items[i].fd, items[i].offset - leads[i], leads[i] + align_up(sizes[i], PAGE))
-                              for i in chunk], pitch, self._max_io_bytes)
+            runs = plan_runs([(items[i].fd, items[i].offset - leads[i], spans[i]) for i in chunk], pitch,
+                             self._max_io_bytes)
             jobs = [_Job([items[i] for i in chunk[lo:hi]], [leads[i] for i in chunk[lo:hi]],
-                         [sizes[i] for i in chunk[lo:hi]], stage.view[lo * pitch:(hi - 1) * pitch + leads[chunk[hi - 1]]
-                                                                     + align_up(sizes[chunk[hi - 1]], PAGE)], pitch)
+                         [sizes[i] for i in chunk[lo:hi]],
+                         stage.view[lo * pitch:(hi - 1) * pitch + spans[chunk[hi - 1]]], pitch)
                     for lo, hi in runs]
             fn = self._write_one if write else self._read_one
             run_errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
