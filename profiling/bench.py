@@ -8,7 +8,7 @@ Phases (each bounded in bytes and in time; the whole run shares a time budget, -
 * ceilings   pinned host<->device copy bandwidth (CUDA only) and raw storage bandwidth of every
              target directory (O_DIRECT with page-aligned mmap buffers where the filesystem allows
              it; best over 1,2,4,8,16 parallel streams of 4 MiB pwrite/pread, page cache dropped
-             before reads);
+             before reads; writes both into new files and again in place, which ext4 takes faster);
 * baselines  the TensorRT-LLM example's per-block ``torch.save(block.cpu())`` / ``torch.load`` +
              ``copy_``, and naive KvikIO (one ``kvikio.CuFile`` per block, library defaults,
              sequential ``pwrite``/``pread(...).get()``; CUDA + KvikIO only);
@@ -367,12 +367,16 @@ def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: fl
                  written: list[int] | None, pattern: bytes, one_file: bool = False) -> tuple[list[int], float]:
     """``streams`` threads, each moving its share in RAW_CHUNK calls: to a file of its own, or with
     ``one_file`` to interleaved chunks of one shared file (thread k takes chunks k, k+streams, ...),
-    which keeps the device's accesses near-sequential with ``streams`` of them in flight."""
+    which keeps the device's accesses near-sequential with ``streams`` of them in flight.
+
+    A write with ``written`` (each stream's bytes from an earlier write of the same layout)
+    overwrites those bytes in place instead of writing new files."""
     per = max(RAW_CHUNK, (total // streams) // RAW_CHUNK * RAW_CHUNK)
+    overwrite = write and written is not None
     if one_file:
         shared = os.path.join(dirpath, f"raw-{streams}-one-file")
         paths = [shared] * streams
-        if write:
+        if write and not overwrite:
             os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
     else:
         paths = [os.path.join(dirpath, f"raw-{streams}-{k}") for k in range(streams)]
@@ -387,11 +391,11 @@ def _raw_streams(dirpath: str, streams: int, total: int, direct: bool, cap_s: fl
         try:
             if write:
                 buf.write(pattern)
-                flags = os.O_WRONLY if one_file else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                flags = os.O_WRONLY if one_file or overwrite else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             else:
                 flags = os.O_RDONLY
             fd = os.open(paths[k], flags | os.O_CLOEXEC | (os.O_DIRECT if direct else 0), 0o600)
-            limit = per if write else written[k]
+            limit = per if write and not overwrite else written[k]
             barrier.wait()
             pos = 0
             while pos < limit and time.monotonic() < deadline[0]:
@@ -438,7 +442,8 @@ def raw_storage_ceiling(name: str, dirpath: str, streams_list: list[int], total:
     pattern = os.urandom(RAW_CHUNK)
     res: dict[str, Any] = {"dir": dirpath, "fs": fs_type(dirpath), "io": how, "o_direct": direct,
                            "chunk_bytes": RAW_CHUNK, "bytes_per_test": total,
-                           "write": {"by_streams": {}, "one_file_by_streams": {}},
+                           "write": {"by_streams": {}, "one_file_by_streams": {}, "overwrite_by_streams": {},
+                                     "overwrite_one_file_by_streams": {}},
                            "read": {"by_streams": {}, "one_file_by_streams": {}}}
     try:
         for s in streams_list:
@@ -457,23 +462,34 @@ def raw_storage_ceiling(name: str, dirpath: str, streams_list: list[int], total:
                 budget.phases_left -= 1
                 res["read"][key][str(s)] = {"bytes": sum(got), "seconds": round(secs, 4),
                                             "GBps": round(gbps(sum(got), secs), 3)}
+                # the same bytes written again in place: no allocation (what a disk arena's slots get)
+                progress(f"raw {name} {tag} overwrite")
+                with tracer.rf(f"bench/ceiling/raw_{name}_overwrite_{tag}"):
+                    over, secs = _raw_streams(raw_dir, s, total, direct, budget.cap(), True, done, pattern, one_file)
+                budget.phases_left -= 1
+                res["write"]["overwrite_" + key][str(s)] = {"bytes": sum(over), "seconds": round(secs, 4),
+                                                           "GBps": round(gbps(sum(over), secs), 3)}
                 for f in os.listdir(raw_dir):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(raw_dir, f))
     finally:
         shutil.rmtree(raw_dir, ignore_errors=True)
     for d in ("write", "read"):
-        legs = [(v["GBps"], int(s), layout) for layout, key in (("files", "by_streams"), ("one file", "one_file_by_streams"))
-                for s, v in res[d][key].items()]
+        legs = [(v["GBps"], int(s), layout) for layout, key in _RAW_LAYOUTS for s, v in res[d].get(key, {}).items()]
         if legs:
             best = max(legs)
             res[d]["best_GBps"], res[d]["best_streams"], res[d]["best_layout"] = best
     return res
 
 
+# (layout, key in a direction's dict): files of their own, one shared file, and each written again in place
+_RAW_LAYOUTS = (("files", "by_streams"), ("one file", "one_file_by_streams"),
+                ("files overwritten", "overwrite_by_streams"), ("one file overwritten", "overwrite_one_file_by_streams"))
+
+
 def raw_phases(streams_list: list[int]) -> int:
-    """Timed phases of one target's raw sweep: write and read per stream count and layout."""
-    return 2 * sum(2 if s > 1 else 1 for s in streams_list)
+    """Timed phases of one target's raw sweep: write, read and overwrite per stream count and layout."""
+    return 3 * sum(2 if s > 1 else 1 for s in streams_list)
 
 
 def raw_beside(dirpath: str, sweep: dict, budget: Budget, global_drop: bool, tracer: Tracer,
@@ -494,8 +510,12 @@ def raw_beside(dirpath: str, sweep: dict, budget: Budget, global_drop: bool, tra
         if not w.get("best_streams") or not rd.get("best_streams"):
             return out
         with tracer.rf(f"bench/ceiling/raw_beside_{label}"):
-            s, one = w["best_streams"], w.get("best_layout") == "one file"
+            s, layout = w["best_streams"], w.get("best_layout", "files")
+            one = layout.startswith("one file")
             done, secs = _raw_streams(raw_dir, s, RAW_BESIDE_BYTES, direct, budget.cap(), True, None, pattern, one)
+            if layout.endswith("overwritten"):  # the first write only makes the bytes to overwrite
+                done, secs = _raw_streams(raw_dir, s, RAW_BESIDE_BYTES, direct, budget.cap(), True, done, pattern,
+                                          one)
             budget.phases_left -= 1
             out["write_GBps"] = round(gbps(sum(done), secs), 3)
             s2, one2 = rd["best_streams"], rd.get("best_layout") == "one file"
@@ -1241,8 +1261,8 @@ def evaluate_goals(res: dict) -> list[dict]:
 
 def _raw_leg(d: dict) -> str:
     """Which raw leg gave a direction's ceiling: ``x4`` (files of their own) or ``x4 one file``."""
-    s = d.get("best_streams", "?")
-    return f"x{s} one file" if d.get("best_layout") == "one file" else f"x{s}"
+    s, layout = d.get("best_streams", "?"), d.get("best_layout", "files")
+    return f"x{s}" if layout == "files" else f"x{s} {layout}"
 
 
 def render_table(res: dict) -> str:

@@ -275,6 +275,44 @@ def test_disk_slots_are_preallocated_and_loads_verify_without_verify(shm_root, e
     a.arena.close()
 
 
+def _unwritten_extents(fd: int) -> int | None:
+    """Extents of the file that are allocated but never written (FIEMAP_EXTENT_UNWRITTEN); None
+    where the filesystem has no FIEMAP (tmpfs)."""
+    import fcntl
+    import struct
+
+    count = 256
+    req = bytearray(struct.pack("QQIIII", 0, (1 << 64) - 1, 0, 0, count, 0) + bytes(56 * count))
+    try:
+        fcntl.ioctl(fd, 0xC020660B, req)  # FS_IOC_FIEMAP
+    except OSError:
+        return None
+    mapped = struct.unpack_from("I", req, 20)[0]
+    return sum(1 for i in range(mapped) if struct.unpack_from("I", req, 32 + 56 * i + 40)[0] & 0x800)
+
+
+def test_new_disk_slabs_hold_no_unwritten_extents(tmp_path, engine, slab_mode):
+    """A new disk slab is written once at creation, so a slot's first save is an overwrite; a
+    file only fallocated (the control) shows the unwritten extents that this check looks for."""
+    if slab_mode == "mapped":
+        pytest.skip("disk slabs only")
+    control = os.open(tmp_path / "control", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(control, 0, 1 << 20)
+        if not _unwritten_extents(control):
+            pytest.skip(f"{tmp_path} reports no unwritten extents (no FIEMAP, or no fallocate)")
+    finally:
+        os.close(control)
+    a = _pool(str(tmp_path), engine, 4, per_slab=4)
+    slab = next(iter(a.arena._slabs.values()))
+    assert _unwritten_extents(slab.fd) == 0
+    assert os.pread(slab.fd, 4096, 4096) == bytes(4096)
+    keys, d = _keys(2), _data(2, 24)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert torch.equal(_load(a, engine, keys), d)
+    a.arena.close()
+
+
 def test_a_remembered_disk_slot_that_moved_is_resolved_again(shm_root, engine, slab_mode):
     """A location this owner remembered no longer matches the slot's header (the block was
     evicted and saved again elsewhere, the slot reused): the load resolves the key afresh from

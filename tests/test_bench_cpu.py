@@ -38,8 +38,14 @@ def test_bench_writes_ceilings(bench_result):
             d = target[direction]
             assert d["best_GBps"] > 0
             assert set(d["by_streams"]) == {"1", "2", "4"} and set(d["one_file_by_streams"]) == {"2", "4"}
-            legs = [v["GBps"] for key in ("by_streams", "one_file_by_streams") for v in d[key].values()]
-            assert d["best_GBps"] == max(legs) and d["best_layout"] in ("files", "one file")
+            keys = ("by_streams", "one_file_by_streams")
+            if direction == "write":  # each layout also written again in place
+                assert set(d["overwrite_by_streams"]) == {"1", "2", "4"}
+                assert set(d["overwrite_one_file_by_streams"]) == {"2", "4"}
+                keys += ("overwrite_by_streams", "overwrite_one_file_by_streams")
+            legs = [v["GBps"] for key in keys for v in d[key].values()]
+            assert d["best_GBps"] == max(legs)
+            assert d["best_layout"] in ("files", "one file", "files overwritten", "one file overwritten")
     assert res["ceilings"]["pinned_copy"] is None  # no CUDA here
 
 
@@ -56,6 +62,23 @@ def test_raw_one_file_streams_interleave_their_chunks(tmp_path, monkeypatch):
     assert len(data) == 15 * 4096 and data == pattern * 15
     got, _ = bench._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, False, done, pattern, True)
     assert got == done
+
+
+def test_raw_overwrite_writes_the_same_bytes_in_place(tmp_path, monkeypatch):
+    """The overwrite leg rewrites exactly what the first write left (no truncation, no growth)."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
+    first, second = bytes([1]) * 4096, bytes([2]) * 4096
+    for one_file in (False, True):
+        done, _ = bench._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, None, first, one_file)
+        names = ["raw-2-one-file"] if one_file else ["raw-2-0", "raw-2-1"]
+        inodes = [os.stat(tmp_path / n).st_ino for n in names]
+        again, _ = bench._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, done, second, one_file)
+        assert again == done
+        assert [os.stat(tmp_path / n).st_ino for n in names] == inodes
+        assert b"".join(open(tmp_path / n, "rb").read() for n in names) == second * 8
 
 
 def test_bench_writes_baselines_and_connector_rows(bench_result):
