@@ -11,7 +11,7 @@ import pytest
 from gds_kv_connector.doctor import doctor_report, format_doctor
 
 TOP_KEYS = {"python", "torch", "cupy", "kvikio", "env", "nvidia_fs", "run_udev_readable", "cufile_json",
-            "roots", "probe", "warnings", "verdict"}
+            "roots", "probe", "warnings", "hints", "verdict"}
 VERDICTS = ("posix", "none", "unknown", "staged-direct", "kvikio-posix", "cufile-compat", "gds")
 
 
@@ -96,10 +96,14 @@ def test_compat_io_is_read_from_the_environment(monkeypatch, tmp_path):
 def test_arena_kind_and_an_arena_larger_than_the_free_space_are_reported(monkeypatch, tmp_path):
     from gds_kv_connector.doctor import format_doctor
 
-    assert doctor_report(str(tmp_path), probe=False)["arena_bytes"] == 0
+    report = doctor_report(str(tmp_path), probe=False)
+    assert report["arena_bytes"] == 0
+    assert len(report["hints"]) == 1 and "without the slot arena" in report["hints"][0]
+    assert "hint: " in format_doctor(report)
     monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", "1MiB")
     report = doctor_report(str(tmp_path), probe=False)
     assert report["arena_bytes"] == 1 << 20 and not any("slot arena" in w for w in report["warnings"])
+    assert report["hints"] == []
     kind = "mapped slabs" if report["roots"][0]["fs_type"] in ("tmpfs", "ramfs", "hugetlbfs") else "O_DIRECT"
     assert "slot arena: " in format_doctor(report) and kind in format_doctor(report)
     monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", str(report["roots"][0]["free_bytes"] + (1 << 40)))
