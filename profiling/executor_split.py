@@ -5,7 +5,8 @@
 Runs the bench's executor phase (``bench.executor_cost``: the reference executor, a cold round that
 only saves, then a warm round that loads the same prompts) and splits each round into its first
 iteration, which admits every request, and the steady ones after it: the first iteration's time per
-callback, and each callback's median over the steady iterations, in microseconds.  The bench's
+callback, each callback's median over the steady iterations, and the costliest steady iteration
+(where the requests finish), in microseconds.  The bench's
 average per iteration mixes the two; this shows which one a change moved.
 """
 
@@ -70,6 +71,10 @@ def main() -> None:
         names = set().union(*its[1:]) if len(its) > 1 else set()
         med = {k: statistics.median([it.get(k, 0.0) for it in its[1:]]) * 1e6 for k in names}
         print(f"round {rnd}: steady median us {({k: round(v, 1) for k, v in sorted(med.items(), key=lambda kv: -kv[1])})}")
+        if len(its) > 1:  # the costliest steady iteration: where the requests finish
+            worst = max(range(1, len(its)), key=lambda i: sum(its[i].values()))
+            top = {k: round(v * 1e6) for k, v in sorted(its[worst].items(), key=lambda kv: -kv[1]) if v * 1e6 >= 1}
+            print(f"round {rnd}: costliest steady iteration ({worst} of {len(its)}) us {top}")
 
 
 if __name__ == "__main__":
