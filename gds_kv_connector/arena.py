@@ -551,8 +551,9 @@ def _preallocate(fd: int, nbytes: int) -> None:
     overwrite.  ``fallocate`` alone leaves unwritten extents (ext4, XFS) that each first write
     converts in the filesystem's journal: on the H200 host's ext4 disk 4 MiB O_DIRECT writes into
     fallocated space ran 1.33-1.87 GB/s, into written space 2.23-2.49
-    (profiling/results/h200-cff6d55/disk-alloc-probe.log).  A slab is written once in its life
-    (restarts adopt it), on the arena's start-up thread."""
+    (profiling/results/h200-cff6d55/disk-alloc-probe.log); through the whole save path the gain
+    was within the disk's spread at 256 KiB and 0-17% at 1 MiB (h200-994262c/file-steps-ab.log).
+    A slab is written once in its life (restarts adopt it), on the arena's start-up thread."""
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
