@@ -52,6 +52,22 @@ static uint32_t get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); re
 static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
 /* A read-only contiguous buffer of exactly `want` bytes (want < 0: any length). */
+/* Loops over fewer items than these keep the GIL.  Releasing it is a hand-off point: another
+ * thread takes the GIL, and this one then queues until that thread blocks again.  With 4 transfer
+ * threads on the H200 host a 64-slot clear_headers (a few microseconds of work) came back after
+ * 12 us per slot (profiling/results/h200-d3627ac/switch-interval.log), and the executor's key chain
+ * of a short prompt can queue behind the transfer threads the same way (profiling/gil_probe.py).
+ * Longer loops (up to about 80 us below these counts) still release it, so that no thread holds
+ * the executor up for long; link_keys (system calls) always does. */
+#define RELEASE_MIN_SLOTS 256 /* header loops: 0.05-0.3 us per slot */
+#define RELEASE_MIN_BLOCKS 64 /* key chain: one SHA-256 of 8 * tokens_per_block bytes per block */
+
+static PyThreadState *release_gil_if(int worth_it) { return worth_it ? PyEval_SaveThread() : NULL; }
+
+static void take_gil_back(PyThreadState *saved) {
+    if (saved) PyEval_RestoreThread(saved);
+}
+
 static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
     if (want >= 0 && view->len != want) {
@@ -119,7 +135,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         if (v == -1 && PyErr_Occurred()) goto done;
         toks[i] = (int64_t)v;
     }
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_BLOCKS);
     const unsigned char *p = prev.buf;
     size_t width = (size_t)tpb * 8;
     for (Py_ssize_t b = 0; b < n; b++) {
@@ -130,7 +146,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         SHA256_Final(keys + b * KEY, &c);
         p = keys + b * KEY;
     }
-    Py_END_ALLOW_THREADS
+    take_gil_back(saved);
     out = PyList_New(n);
     if (!out) goto done;
     for (Py_ssize_t b = 0; b < n; b++) {
@@ -165,7 +181,7 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
     if (get_buf(ko, &k, n * KEY, "keys") < 0) goto e1;
     if (get_buf(po, &p, n * KEY, "parents") < 0) goto e2;
     if (get_buf(so, &s, n * 8, "sums") < 0) goto e3;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
     unsigned char h[FIELDS];
     memset(h, 0, sizeof h);
     memcpy(h, MAGIC, 8);
@@ -183,7 +199,7 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
         put32(h + CRC_AT, crc32(0, h, CRC_AT));
         memcpy(addr_at(&a, i), h, FIELDS);
     }
-    Py_END_ALLOW_THREADS
+    take_gil_back(saved);
     PyBuffer_Release(&s);
     PyBuffer_Release(&p);
     PyBuffer_Release(&k);
@@ -206,9 +222,9 @@ static PyObject *clear_headers(PyObject *self, PyObject *arg) {
     Py_buffer a;
     Py_ssize_t n;
     if (get_addrs(arg, &a, &n) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
     for (Py_ssize_t i = 0; i < n; i++) memset(addr_at(&a, i), 0, 8);
-    Py_END_ALLOW_THREADS
+    take_gil_back(saved);
     PyBuffer_Release(&a);
     Py_RETURN_NONE;
 }
@@ -266,7 +282,7 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad = -1;
     const char *why = NULL;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *h = addr_at(&a, i);
         why = header_fault(h, f.buf, (const unsigned char *)k.buf + i * KEY,
@@ -278,7 +294,7 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
         memcpy(fb + i * FIELDS, h, FIELDS);
         memcpy(sb + i * 8, h + 88, 8);
     }
-    Py_END_ALLOW_THREADS
+    take_gil_back(saved);
     Py_ssize_t good = bad < 0 ? n : bad;
     fields = PyBytes_FromStringAndSize((const char *)fb, good * FIELDS);
     sums = PyBytes_FromStringAndSize((const char *)sb, good * 8);
@@ -316,14 +332,14 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t hit = -1;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (memcmp(addr_at(&a, i), (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
             hit = i;
             break;
         }
     }
-    Py_END_ALLOW_THREADS
+    take_gil_back(saved);
     PyBuffer_Release(&f);
     PyBuffer_Release(&a);
     return PyLong_FromSsize_t(hit);
