@@ -51,14 +51,13 @@ static void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 static uint32_t get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* A read-only contiguous buffer of exactly `want` bytes (want < 0: any length). */
 /* Loops over fewer items than these keep the GIL.  Releasing it is a hand-off point: another
  * thread takes the GIL, and this one then queues until that thread blocks again.  With 4 transfer
  * threads on the H200 host a 64-slot clear_headers (a few microseconds of work) came back after
  * 12 us per slot (profiling/results/h200-d3627ac/switch-interval.log), and the executor's key chain
  * of a short prompt can queue behind the transfer threads the same way (profiling/gil_probe.py).
- * Longer loops (up to about 80 us below these counts) still release it, so that no thread holds
- * the executor up for long; link_keys (system calls) always does. */
+ * Loops at or above these counts (tens of microseconds and more) still release it, so that no
+ * thread holds the executor up for long; link_keys (system calls) always does. */
 #define RELEASE_MIN_SLOTS 256 /* header loops: 0.05-0.3 us per slot */
 #define RELEASE_MIN_BLOCKS 64 /* key chain: one SHA-256 of 8 * tokens_per_block bytes per block */
 
@@ -68,6 +67,7 @@ static void take_gil_back(PyThreadState *saved) {
     if (saved) PyEval_RestoreThread(saved);
 }
 
+/* A read-only contiguous buffer of exactly `want` bytes (want < 0: any length). */
 static int get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
     if (want >= 0 && view->len != want) {
