@@ -56,10 +56,12 @@ static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); re
  * threads on the H200 host a 64-slot clear_headers (a few microseconds of work) came back after
  * 12 us per slot (profiling/results/h200-d3627ac/switch-interval.log), and the executor's key chain
  * of a short prompt can queue behind the transfer threads the same way (profiling/gil_probe.py).
- * Loops at or above these counts (tens of microseconds and more) still release it, so that no
- * thread holds the executor up for long; link_keys (system calls) always does. */
-#define RELEASE_MIN_SLOTS 256 /* header loops: 0.05-0.3 us per slot */
-#define RELEASE_MIN_BLOCKS 64 /* key chain: one SHA-256 of 8 * tokens_per_block bytes per block */
+ * A loop is released from about 20-40 us of work on the CI VM (profiling/gil_probe.py --costs), where
+ * the other threads' parallel progress starts to outweigh the hand-off and no thread holds the
+ * executor up for long; link_keys (system calls) always releases it. */
+#define RELEASE_MIN_CHECKED 64  /* write_headers, check_headers: about 0.4 us per slot */
+#define RELEASE_MIN_TOUCHED 512 /* clear_headers, first_changed: about 0.07 us per slot */
+#define RELEASE_MIN_BLOCKS 64   /* chain_keys: about 0.3 us per block (one SHA-256 of 8 * tpb bytes) */
 
 static PyThreadState *release_gil_if(int worth_it) { return worth_it ? PyEval_SaveThread() : NULL; }
 
@@ -181,7 +183,7 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
     if (get_buf(ko, &k, n * KEY, "keys") < 0) goto e1;
     if (get_buf(po, &p, n * KEY, "parents") < 0) goto e2;
     if (get_buf(so, &s, n * 8, "sums") < 0) goto e3;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_CHECKED);
     unsigned char h[FIELDS];
     memset(h, 0, sizeof h);
     memcpy(h, MAGIC, 8);
@@ -222,7 +224,7 @@ static PyObject *clear_headers(PyObject *self, PyObject *arg) {
     Py_buffer a;
     Py_ssize_t n;
     if (get_addrs(arg, &a, &n) < 0) return NULL;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_TOUCHED);
     for (Py_ssize_t i = 0; i < n; i++) memset(addr_at(&a, i), 0, 8);
     take_gil_back(saved);
     PyBuffer_Release(&a);
@@ -282,7 +284,7 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad = -1;
     const char *why = NULL;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_CHECKED);
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *h = addr_at(&a, i);
         why = header_fault(h, f.buf, (const unsigned char *)k.buf + i * KEY,
@@ -332,7 +334,7 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t hit = -1;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_SLOTS);
+    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_TOUCHED);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (memcmp(addr_at(&a, i), (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
             hit = i;
