@@ -1,6 +1,6 @@
 """How long a short call into the C extension takes while other threads want the GIL.
 
-    python profiling/gil_probe.py [--threads 2] [--calls 3000] [--tree DIR]
+    python profiling/gil_probe.py [--threads 2] [--calls 3000] [--tree DIR] [--costs]
 
 Background threads stand in for transfer threads: each runs ``--python-us`` of Python, then waits
 ``--wait-us`` with the GIL released (as a DMA sync or a system call does), over and over.  The
