@@ -193,3 +193,26 @@ def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     proc = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert expect in proc.stdout
+
+
+def test_raw_beside_repeats_an_overwrite_leg_in_place(tmp_path, monkeypatch):
+    """When the sweep's best write leg was an in-place one, the re-measure beside a row writes its
+    files once, then times writing them again; both directions come back measured."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
+    monkeypatch.setattr(bench, "RAW_BESIDE_BYTES", 16 * 4096)
+    calls = []
+    real = bench._raw_streams
+
+    def spy(dirpath, streams, total, direct, cap_s, write, written, pattern, one_file=False):
+        calls.append((write, written is not None, one_file))
+        return real(dirpath, streams, total, direct, cap_s, write, written, pattern, one_file)
+
+    monkeypatch.setattr(bench, "_raw_streams", spy)
+    sweep = {"write": {"best_streams": 2, "best_layout": "one file overwritten"},
+             "read": {"best_streams": 2, "best_layout": "one file"}}
+    out = bench.raw_beside(str(tmp_path), sweep, bench.Budget(60.0, 10.0), False, bench.Tracer(None, False), "t")
+    assert out["write_GBps"] > 0 and out["read_GBps"] > 0
+    assert calls == [(True, False, True), (True, True, True), (False, True, True)]
