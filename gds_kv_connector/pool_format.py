@@ -155,6 +155,16 @@ def parse_ref(raw: bytes, *, key: bytes, fingerprint: bytes, slot_bytes: int) ->
     return ref
 
 
+def ref_slab_name(raw: bytes) -> str | None:
+    """The slab name in a reference file's fixed part, with only the magic checked; None when
+    ``raw`` is no reference.  For ``gds-kv gc``, where a damaged reference must still keep the
+    slab it names."""
+    if len(raw) < _REF_FIXED.size or raw[:len(REF_MAGIC)] != REF_MAGIC:
+        return None
+    slab_raw = _REF_FIXED.unpack_from(raw)[5]
+    return slab_raw.rstrip(b"\0").decode("ascii", "replace")
+
+
 def parse_refs(raw: bytes, *, fingerprint: bytes, slot_bytes: int) -> dict[bytes, SlotRef]:
     """Every entry of a reference file by key, after checking every field of the file."""
     if len(raw) < REF_HEADER_SIZE or not is_ref_size(len(raw)):

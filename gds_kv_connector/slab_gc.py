@@ -24,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 from .arena import SLAB_SUFFIX, SLABS_DIR, slab_host_is_this
-from .pool_format import REF_HEADER_SIZE, REF_MAGIC, is_ref_size
+from .pool_format import REF_HEADER_SIZE, is_ref_size, ref_slab_name
 from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
 
-_NAME_FIELD = slice(56, 120)
-FRESH_S = 60.0  # the slab name in a reference file's fixed part (docs/format.md)
+FRESH_S = 60.0  # a slab changed this recently may be one whose creator has not locked it yet
 
 
 @dataclass
@@ -128,6 +127,7 @@ def _referenced_slabs(refs: list[BlockFile]) -> set[tuple[str, str]]:
             continue
         finally:
             os.close(fd)
-        if len(raw) == REF_HEADER_SIZE and raw[:8] == REF_MAGIC:
-            named.add((ref.fp, raw[_NAME_FIELD].rstrip(b"\0").decode("ascii", "replace")))
+        slab = ref_slab_name(raw) if len(raw) == REF_HEADER_SIZE else None
+        if slab is not None:
+            named.add((ref.fp, slab))
     return named
