@@ -511,13 +511,22 @@ class SlotArena:
                     "ready_slots": ready, "mapped_slabs": len(self._slabs), **self.stats}
 
 
+def maps_slabs(root: str) -> bool:
+    """Whether an arena on ``root`` maps its slabs: on a host-memory filesystem; on any other they
+    are moved by O_DIRECT reads and writes (a mapped slab on a disk filesystem would pin page cache
+    and still be written back at disk speed)."""
+    return fs_type(root) in HOST_FS_TYPES
+
+
+def slab_kind(mapped: bool) -> str:
+    """How an arena's slabs move, in the words of the worker's start-up line and ``gds-kv doctor``."""
+    return "mapped slabs" if mapped else "slabs moved with O_DIRECT"
+
+
 def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> SlotArena:
-    """The worker's arena: mapped slabs on a host-memory filesystem, slabs moved by O_DIRECT
-    reads and writes on any other (a mapped slab on a disk filesystem would pin page cache and
-    still be written back at disk speed)."""
-    mapped = fs_type(pool.roots[0]) in HOST_FS_TYPES
+    """The worker's arena, its slab kind chosen by :func:`maps_slabs`."""
     arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s,
-                      mapped=mapped)
+                      mapped=maps_slabs(pool.roots[0]))
     arena.start()
     return arena
 

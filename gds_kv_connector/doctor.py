@@ -22,7 +22,7 @@ import threading
 from typing import Any, Callable
 
 from . import native
-from .arena import HOST_FS_TYPES
+from .arena import HOST_FS_TYPES, slab_kind
 from .mounts import mount_of
 from .settings import Settings, SettingsError
 
@@ -98,7 +98,7 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"root {r['path']}: {r['fs_type']} ({r['mount_source']} on {r['mount_point']}), "
                      f"O_DIRECT 4 KiB write {odirect}, {_gib(r['free_bytes'])} free of {_gib(r['total_bytes'])}")
         if report["arena_bytes"]:
-            kind = "mapped slabs" if r["fs_type"] in HOST_FS_TYPES else "slabs moved with O_DIRECT"
+            kind = slab_kind(r["fs_type"] in HOST_FS_TYPES)
             lines.append(f"  slot arena: {_gib(report['arena_bytes'])} per owner, {kind} (TLLM_GDS_KV_ARENA_BYTES)")
     p = report["probe"]
     lines.append(f"cuFile probe: {'not run' if not p['ran'] else ('ok' if p['ok'] else 'FAILED')} ({p['reason']})")

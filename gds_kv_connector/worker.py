@@ -17,7 +17,7 @@ from .local_peer import PeerInfo, register, unregister
 from .metrics import StatsPublisher
 from .metadata import GdsKvMetadata
 from .nvtx_ranges import nvtx_range
-from .arena import start_arena
+from .arena import slab_kind, start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
 from .settings import Settings
@@ -90,8 +90,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s), %s", kv.num_blocks,
                  kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe(),
                  "one file per block" if arena is None else
-                 f"slot arena of {self.settings.arena_bytes} bytes, "
-                 f"{'mapped slabs' if arena.mapped else 'slabs moved with O_DIRECT'}")
+                 f"slot arena of {self.settings.arena_bytes} bytes, {slab_kind(arena.mapped)}")
 
     # -- per iteration ----------------------------------------------------------------------------
     def start_load_kv(self, stream: Any) -> None:

@@ -55,7 +55,7 @@ except ImportError:
 
 import torch  # noqa: E402
 
-from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
+from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena, maps_slabs  # noqa: E402
 from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
@@ -586,7 +586,7 @@ class ConnectorRig:
         if arena_bytes:
             t0 = time.perf_counter()
             self.pool.arena = SlotArena(self.pool, self.engine, arena_bytes, 256 << 20, 5.0,
-                                        mapped=fs_type(root) in HOST_FS_TYPES)
+                                        mapped=maps_slabs(root))
             self.pool.arena.start(background=False)
             self.arena_setup_s = round(time.perf_counter() - t0, 3)
 

@@ -34,10 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import _run_batches, load_keys  # noqa: E402
 
-from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena  # noqa: E402
+from gds_kv_connector.arena import SlotArena, maps_slabs  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
-from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
@@ -102,7 +101,7 @@ def main() -> None:
         pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, index_ttl_s=600,
                          refs=arena_bytes > 0)
         if arena_bytes:
-            pool.arena = SlotArena(pool, engine, arena_bytes, 256 << 20, 5.0, mapped=fs_type(root) in HOST_FS_TYPES)
+            pool.arena = SlotArena(pool, engine, arena_bytes, 256 << 20, 5.0, mapped=maps_slabs(root))
             pool.arena.start(background=False)
         kv = torch.randint(0, 256, (n, size), dtype=torch.uint8, device=device)
         views = [kv[i] for i in range(n)]
