@@ -119,6 +119,30 @@ def _staging(device: int, n: int) -> _Staging:
     return st
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol, which is how CuPy 14 adopts a stream
+    it does not own (``Stream.from_external``; its ``ExternalStream`` warns as deprecated)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _foreign_stream(handle: int, device: int):
+    """CuPy's view of a caller's stream; called with ``device`` current (from_external takes the
+    current device, ExternalStream, CuPy 13's only way, takes it as an argument)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(handle, device)
+    return from_external(_StreamHandle(handle))
+
+
 def _launch(device: int, length: int, pointers: list[int], stream: torch.cuda.Stream | None) -> list[int]:
     import cupy
 
@@ -129,8 +153,7 @@ def _launch(device: int, length: int, pointers: list[int], stream: torch.cuda.St
     st.bases[:n_blocks] = pointers
     bases, sums = np.uint64(st.bases.ctypes.data), np.uint64(st.sums.ctypes.data)
     with cupy.cuda.Device(device):
-        cp_stream = (_own_stream(device) if stream is None
-                     else cupy.cuda.ExternalStream(stream.cuda_stream, device))
+        cp_stream = _own_stream(device) if stream is None else _foreign_stream(stream.cuda_stream, device)
         with cp_stream:
             if chunks == 1:
                 kernels.partial((n_blocks, 1), (_THREADS,), (bases, np.uint64(length), sums))

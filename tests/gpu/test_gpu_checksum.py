@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import warnings
 
 import pytest
 import torch
@@ -76,9 +77,22 @@ def test_caller_stream_and_empty_batch():
 
     assert checksums_device([]) == []
     views = list(_random((4, 100_000), 9))
+    expected = _cpu_sums(views)
+    for v in views:
+        v.zero_()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
-    assert checksums_device(views, stream=stream) == _cpu_sums(views)
+    source = torch.stack(list(_random((4, 100_000), 9)))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the bytes land long after the launch is queued
+        for v, s in zip(views, source):
+            v.copy_(s)
+    # Launched on the caller's stream, the sums see the copies; on any other stream they would not.
+    # The deprecation of CuPy's ExternalStream is an error here: the stream goes through the protocol.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert checksums_device(views, stream=stream) == expected
 
 
 def test_throughput_report(capsys):
