@@ -51,17 +51,16 @@ static void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 static uint32_t get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* Loops over fewer items than these keep the GIL.  Releasing it is a hand-off point: another
- * thread takes the GIL, and this one then queues until that thread blocks again.  With 4 transfer
- * threads on the H200 host a 64-slot clear_headers (a few microseconds of work) came back after
- * 12 us per slot (profiling/results/h200-d3627ac/switch-interval.log), and the executor's key chain
- * of a short prompt can queue behind the transfer threads the same way (profiling/gil_probe.py).
- * A loop is released from about 20-40 us of work on the CI VM (profiling/gil_probe.py --costs), where
- * the other threads' parallel progress starts to outweigh the hand-off and no thread holds the
- * executor up for long; link_keys (system calls) always releases it. */
-#define RELEASE_MIN_CHECKED 64  /* write_headers, check_headers: about 0.4 us per slot */
-#define RELEASE_MIN_TOUCHED 512 /* clear_headers, first_changed: about 0.07 us per slot */
-#define RELEASE_MIN_BLOCKS 64   /* chain_keys: about 0.3 us per block (one SHA-256 of 8 * tpb bytes) */
+/* Which loops release the GIL.  Releasing is a hand-off point: another thread takes the GIL and
+ * this one then queues until that thread blocks again, so a short loop on the executor thread is
+ * better off keeping it: chain_keys (the scheduler's match) keeps it under RELEASE_MIN_BLOCKS blocks
+ * (about 0.3 us a block on the CI VM, profiling/gil_probe.py --costs; its p99 behind two busy threads
+ * fell from 78-94 to 2 us, profiling/results/vm-a0fc233/gil-probe.log).  The slot-header loops run
+ * on transfer threads and touch mapped slab pages, which can fault: they always release it, since
+ * keeping it there (under 64 / 512 slots) cost 256 KiB host-memory arena saves 29.4-31.2 -> 27.7 GB/s
+ * and loads 33.2-36.7 -> 28.9-31.1 on the H200, legs alternated
+ * (profiling/results/h200-4f66d29/bench-shm-ab.log).  link_keys (system calls) always releases. */
+#define RELEASE_MIN_BLOCKS 64
 
 static PyThreadState *release_gil_if(int worth_it) { return worth_it ? PyEval_SaveThread() : NULL; }
 
@@ -183,7 +182,7 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
     if (get_buf(ko, &k, n * KEY, "keys") < 0) goto e1;
     if (get_buf(po, &p, n * KEY, "parents") < 0) goto e2;
     if (get_buf(so, &s, n * 8, "sums") < 0) goto e3;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_CHECKED);
+    PyThreadState *saved = PyEval_SaveThread();
     unsigned char h[FIELDS];
     memset(h, 0, sizeof h);
     memcpy(h, MAGIC, 8);
@@ -224,7 +223,7 @@ static PyObject *clear_headers(PyObject *self, PyObject *arg) {
     Py_buffer a;
     Py_ssize_t n;
     if (get_addrs(arg, &a, &n) < 0) return NULL;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_TOUCHED);
+    PyThreadState *saved = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < n; i++) memset(addr_at(&a, i), 0, 8);
     take_gil_back(saved);
     PyBuffer_Release(&a);
@@ -284,7 +283,7 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     }
     Py_ssize_t bad = -1;
     const char *why = NULL;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_CHECKED);
+    PyThreadState *saved = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *h = addr_at(&a, i);
         why = header_fault(h, f.buf, (const unsigned char *)k.buf + i * KEY,
@@ -334,7 +333,7 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t hit = -1;
-    PyThreadState *saved = release_gil_if(n >= RELEASE_MIN_TOUCHED);
+    PyThreadState *saved = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < n; i++) {
         if (memcmp(addr_at(&a, i), (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
             hit = i;
