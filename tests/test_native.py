@@ -73,7 +73,7 @@ def _write(s: Slots, keys, sums, created):
     return parents
 
 
-@pytest.mark.parametrize("n", [5, 600])  # the C loops keep the GIL for short runs, release it for long ones
+@pytest.mark.parametrize("n", [5, 600])
 def test_written_headers_are_the_packed_headers_and_check_back(native_impl, n):
     s = Slots(n)
     keys = [hashlib.sha256(i.to_bytes(2, "little")).digest() for i in range(n)]
@@ -88,7 +88,7 @@ def test_written_headers_are_the_packed_headers_and_check_back(native_impl, n):
     assert (got, bad, why) == (sums, -1, None)
     assert fields == b"".join(s.header(i)[:HEADER_FIELDS_SIZE] for i in range(n))
     assert native.first_changed(s.addrs, fields) == -1
-    native.clear_headers(s.addrs[3:4] if n < 512 else s.addrs[3:])
+    native.clear_headers(s.addrs[3:4] if n < 10 else s.addrs[3:])
     assert native.first_changed(s.addrs, fields) == 3
     fields, got, bad, why = native.check_headers(s.addrs, FP, keys, [created] * n, 12345)
     assert (got, bad) == (sums[:3], 3) and "magic" in why
