@@ -7,7 +7,10 @@ only saves, then a warm round that loads the same prompts) and splits each round
 iteration, which admits every request, and the steady ones after it: the first iteration's time per
 callback, each callback's median over the steady iterations, and the costliest steady iteration
 (where the requests finish), in microseconds.  The bench's
-average per iteration mixes the two; this shows which one a change moved.
+average per iteration mixes the two; this shows which one a change moved.  Each round also
+prints the executor thread's CPU time in the callbacks (``time.thread_time``) beside their wall
+time: the difference is time the thread waited, for the GIL (held by transfer threads), a lock, or
+(the warm round's first layer hook) synchronous loads' bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -29,6 +33,20 @@ import bench  # noqa: E402
 from gds_kv_connector.reference import ReferenceExecutor  # noqa: E402
 
 
+_LAYER_HOOKS = ("save_kv_layer", "wait_for_layer_load")
+
+
+def _clock_bias(n: int = 5000) -> float:
+    """CPU time the clock reads add beyond the wall span they bracket (a system call where
+    ``thread_time`` is not in the vDSO): subtracted per call, so waiting shows as wall > CPU."""
+    extra = 0.0
+    for _ in range(n):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        extra += (c1 - c0) - (t1 - t0)
+    return max(0.0, extra / n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -37,21 +55,43 @@ def main() -> None:
     args = ap.parse_args()
     gc.set_threshold(20000, 10, 10)  # TensorRT-LLM's executor setting, as in the bench
     acc_of: dict[str, dict] = {}
-    instrument = bench._instrument
+
+    cpu_acc: dict[str, float] = {}  # the executor thread's CPU seconds per callback
+    bias = _clock_bias()
 
     def keep_acc(obj, names, acc):
+        """bench._instrument's wall-time account, with the thread's CPU time taken in the same wrapper."""
         acc_of["acc"] = acc
-        return instrument(obj, names, acc)
+        for name in names:
+            fn = getattr(obj, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    t1, c1 = time.perf_counter(), time.thread_time()
+                    e = acc.setdefault(_name, [0, 0.0])
+                    e[0] += 1
+                    e[1] += t1 - t0
+                    cpu_acc[_name] = cpu_acc.get(_name, 0.0) + c1 - c0 - bias
+            setattr(obj, name, wrapped)
 
     bench._instrument = keep_acc
     per_iter: list[dict[str, float]] = []
     step = ReferenceExecutor.step
 
+    cpu_iter: list[dict[str, float]] = []
+
     def timed_step(self):
         acc = acc_of.get("acc", {})
         before = {k: v[1] for k, v in acc.items()}
+        cpu_before = dict(cpu_acc)
         step(self)
         per_iter.append({k: v[1] - before.get(k, 0.0) for k, v in acc.items()})
+        cpu_iter.append({k: v - cpu_before.get(k, 0.0) for k, v in cpu_acc.items()})
 
     ReferenceExecutor.step = timed_step
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -68,6 +108,12 @@ def main() -> None:
         its = per_iter[rnd * n:(rnd + 1) * n]
         first = {k: round(v * 1e6) for k, v in sorted(its[0].items(), key=lambda kv: -kv[1])}
         print(f"round {rnd}: first iteration us {first}")
+        cpus = cpu_iter[rnd * n:(rnd + 1) * n]
+        for label, pick in (("callbacks", lambda k: k not in _LAYER_HOOKS), ("layer hooks", _LAYER_HOOKS.__contains__)):
+            wall = [sum(v for k, v in it.items() if pick(k)) * 1e6 for it in its]
+            on_cpu = [sum(v for k, v in it.items() if pick(k)) * 1e6 for it in cpus]
+            print(f"round {rnd}: {label}, wall / executor-thread CPU us: first iteration {wall[0]:.0f} / "
+                  f"{on_cpu[0]:.0f}, the rest {sum(wall[1:]):.0f} / {sum(on_cpu[1:]):.0f}")
         names = set().union(*its[1:]) if len(its) > 1 else set()
         med = {k: statistics.median([it.get(k, 0.0) for it in its[1:]]) * 1e6 for k in names}
         print(f"round {rnd}: steady median us {({k: round(v, 1) for k, v in sorted(med.items(), key=lambda kv: -kv[1])})}")
