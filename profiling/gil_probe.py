@@ -11,7 +11,8 @@ again, so its tail is a background thread's Python segment; one that keeps it do
 ``--tree`` imports the package from another checkout (its own built extension), so two builds are
 compared in one sitting.  ``--costs`` instead prints each C loop's time per item with no other
 thread running (best of 5 x 50 calls at 16 / 64 / 256 / 1024 items), from which csrc/native.c's
-thresholds for releasing the GIL were set.
+threshold for releasing the GIL in ``chain_keys`` was set (the header loops release it at any length:
+keeping it there showed no gain on the H200, profiling/results/h200-0e74e6a/).
 """
 
 from __future__ import annotations
