@@ -370,6 +370,11 @@ class SlotArena:
     def payload_addr(self, slab: str, slot: int) -> int:
         return self._slabs[slab].base + slot * self.slot_bytes + HEADER_SIZE
 
+    def payload_offset(self, slot: int) -> int:
+        """Where a slot's payload starts in its slab file (its header page before it): the
+        O_DIRECT offset disk slabs are written and read at."""
+        return slot * self.slot_bytes + HEADER_SIZE
+
     def slot_addrs(self, slots: list[tuple[str, int]]) -> list[int]:
         """Start addresses of this owner's slots (their headers), for native.write_headers."""
         slabs, sb = self._slabs, self.slot_bytes

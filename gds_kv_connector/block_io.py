@@ -76,8 +76,7 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     packed: list[bytes] = []  # each opened file's header, written with its payload in one I/O
     try:
         for i, csum in zip(todo, sums):
-            header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
-                                 pool.tokens_per_block, now, parents[i] or ZERO_KEY)
+            header = _header(pool, keys[i], parents[i], csum, now)
             try:
                 fd, tmp = pool.create_tmp(keys[i], None)  # the header goes with the payload
             except (OSError, PoolError) as exc:  # PoolError: a directory was replaced by a file
@@ -107,6 +106,13 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
         for _i, fd, tmp in opened:
             pool.discard_tmp(fd, tmp)
     return out
+
+
+def _header(pool: BlockPool, key: bytes, parent: bytes, csum: int, now: int) -> BlockHeader:
+    """The header a block file or disk slot is written with (mapped slots get the same bytes from
+    native.write_headers)."""
+    return BlockHeader(pool.fingerprint, key, pool.payload_len, csum, CHECKSUM_ALGO, pool.tokens_per_block, now,
+                       parent or ZERO_KEY)
 
 
 def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
@@ -149,9 +155,8 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
             arena.release(slab, slot)
             out.failed.append((keys[i], _cause(exc)))
             continue
-        header = BlockHeader(pool.fingerprint, keys[i], pool.payload_len, csum, CHECKSUM_ALGO,
-                             pool.tokens_per_block, now, parents[i] or ZERO_KEY)
-        items.append(TransferItem(fd, slot * arena.slot_bytes + HEADER_SIZE, views[i], header.pack()))
+        header = _header(pool, keys[i], parents[i], csum, now)
+        items.append(TransferItem(fd, arena.payload_offset(slot), views[i], header.pack()))
         written.append((i, (slab, slot)))
     errors = engine.write(items) if items else []
     ok: list[tuple[int, tuple[str, int]]] = []
@@ -299,7 +304,7 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
         if not 0 <= pin.slot.slot < nslots:
             arena.forget(pin.key)
             raise LoadFailure(pin.key, pin.path, f"slot {pin.slot.slot} outside slab {pin.slot.slab} of {nslots}")
-        items[n] = TransferItem(fd, pin.slot.slot * arena.slot_bytes + HEADER_SIZE, views[n], headers[n])
+        items[n] = TransferItem(fd, arena.payload_offset(pin.slot.slot), views[n], headers[n])
     attempt = 0
     pending = which
     while pending:
