@@ -7,7 +7,10 @@ Each of T threads saves (then loads) its own ``--blocks`` blocks through ``block
 header write, reference file + links, bookkeeping, pins, header checks) is timed per call on the
 thread that ran it; the table gives each step's wall time per block, averaged over threads.  A step
 whose per-block time grows with T is where threads wait for each other: for the GIL if it is Python,
-for the copy engines if it is the DMA, for the kernel if it is link(2).
+for the copy engines if it is the DMA, for the kernel if it is link(2).  Each step's CPU time on its
+thread is printed beside its wall time (``thread_clock``): wall growing while CPU does not is
+waiting (the GIL, a lock, a blocking sync); CPU growing too is work or spinning (a CUDA
+synchronize spins by default while cores are free).
 
 ``--ablate publish_refs,checksums,copy_to_host`` replaces those steps with no-ops (saves only: the
 pool is then not loadable), so the GB/s without a step bounds what making that step free would give.
@@ -35,20 +38,24 @@ from gds_kv_connector.engines import make_engine  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
+from thread_clock import clock_bias  # noqa: E402
 
-_acc: dict[str, float] = collections.defaultdict(float)
+_acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # step -> [wall s, CPU s]
 _lock = threading.Lock()
+_BIAS = clock_bias()
 
 
 def _timed(name: str, fn):
     def wrapper(*a, **k):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            dt = time.perf_counter() - t0
+            t1, c1 = time.perf_counter(), time.thread_time()
             with _lock:
-                _acc[name] += dt
+                e = _acc[name]
+                e[0] += t1 - t0
+                e[1] += c1 - c0 - _BIAS
     return wrapper
 
 
@@ -114,7 +121,10 @@ def main() -> None:
             _instrument(pool, engine)
             keys = [hashlib.sha256(b"%d %d" % (threads, i)).digest() for i in range(threads * n)]
 
+            thread_cpu: list[float] = []
+
             def work(t: int, direction: str) -> None:
+                c0 = time.thread_time()
                 for lo in range(t * n, (t + 1) * n, a.batch):
                     ks, vs = keys[lo:lo + a.batch], views[lo:lo + a.batch]
                     if direction == "save":
@@ -124,9 +134,12 @@ def main() -> None:
                         pins = block_io.pin_blocks(pool, ks)
                         block_io.load_blocks(pool, engine, pins, vs, verify=True, retries=0,
                                              deadline=time.monotonic() + 60)
+                with _lock:
+                    thread_cpu.append(time.thread_time() - c0)
 
             for direction in ("save",) if ablate else ("save", "load"):
                 _acc.clear()
+                thread_cpu.clear()
                 if direction == "load":
                     pool.arena.drop_caches()
                 ts = [threading.Thread(target=work, args=(t, direction)) for t in range(threads)]
@@ -140,11 +153,13 @@ def main() -> None:
                 print(f"== {threads} thread(s) {direction}: {total} blocks in {wall:.3f} s = "
                       f"{total * size / wall / 1e9:.2f} GB/s, {wall / total * 1e6:.2f} us/block overall")
                 per_thread_wall = wall * 1e6 / n  # each thread's wall time per block it moved
-                steps = sorted(_acc.items(), key=lambda kv: -kv[1])
-                for name, secs in steps:
-                    print(f"     {name:<34} {secs / total * 1e6:7.2f} us/block on its thread")
-                rest = per_thread_wall - sum(s for _, s in steps) / total * 1e6
-                print(f"     {'(the rest: Python in block_io)':<34} {rest:7.2f} us/block on its thread")
+                steps = sorted(_acc.items(), key=lambda kv: -kv[1][0])
+                print(f"     {'step':<34} {'wall':>7} {'CPU':>7}  us/block on its thread")
+                for name, (secs, cpu) in steps:
+                    print(f"     {name:<34} {secs / total * 1e6:7.2f} {cpu / total * 1e6:7.2f}")
+                rest = per_thread_wall - sum(e[0] for _, e in steps) / total * 1e6
+                rest_cpu = (sum(thread_cpu) - sum(e[1] for _, e in steps)) / total * 1e6
+                print(f"     {'(the rest: Python in block_io)':<34} {rest:7.2f} {rest_cpu:7.2f}")
             pool.arena.close()
         finally:
             shutil.rmtree(root, ignore_errors=True)

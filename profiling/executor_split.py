@@ -30,21 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench  # noqa: E402
+from thread_clock import clock_bias  # noqa: E402
 from gds_kv_connector.reference import ReferenceExecutor  # noqa: E402
 
 
 _LAYER_HOOKS = ("save_kv_layer", "wait_for_layer_load")
-
-
-def _clock_bias(n: int = 5000) -> float:
-    """CPU time the clock reads add beyond the wall span they bracket (a system call where
-    ``thread_time`` is not in the vDSO): subtracted per call, so waiting shows as wall > CPU."""
-    extra = 0.0
-    for _ in range(n):
-        c0, t0 = time.thread_time(), time.perf_counter()
-        t1, c1 = time.perf_counter(), time.thread_time()
-        extra += (c1 - c0) - (t1 - t0)
-    return max(0.0, extra / n)
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
     acc_of: dict[str, dict] = {}
 
     cpu_acc: dict[str, float] = {}  # the executor thread's CPU seconds per callback
-    bias = _clock_bias()
+    bias = clock_bias()
 
     def keep_acc(obj, names, acc):
         """bench._instrument's wall-time account, with the thread's CPU time taken in the same wrapper."""

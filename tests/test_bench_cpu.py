@@ -182,7 +182,9 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
 
 @pytest.mark.parametrize("script,args,expect", [
     ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
-    ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "steady median us"),
+    ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "executor-thread CPU us"),
+    ("arena_scaling.py", ["--block", "64KiB", "--blocks", "64", "--batch", "32", "--threads", "1,2"],
+     "wall     CPU  us/block on its thread"),
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2"], '"create_tmp"'),
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2", "--arena", "16MiB"],
      '"publish_refs"'),
