@@ -56,12 +56,12 @@ static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); re
  * better off keeping it: chain_keys (the scheduler's match) keeps it under RELEASE_MIN_BLOCKS blocks
  * (about 0.3 us a block on the CI VM, profiling/gil_probe.py --costs; its p99 behind two busy threads
  * fell from 78-94 to 2 us, profiling/results/vm-a0fc233/gil-probe.log).  The slot-header loops run
- * on transfer threads, where no executor latency is at stake, so they always release it, letting the
- * other transfer threads run their Python meanwhile.  Keeping it there under 64 / 512 slots (a0fc233) showed
- * no gain on the H200: 256 KiB host-memory arena saves 27.7, 27.7 against 31.2, 29.4 GB/s before it,
- * legs alternated (profiling/results/h200-4f66d29/bench-shm-ab.log), a gap within this measure's
- * spread (with the release back, 28.5, 29.3 against 28.3, 26.6, h200-0e74e6a/).  link_keys (system
- * calls) always releases. */
+ * on transfer threads, where no executor latency is at stake, so they always release it and the
+ * other transfer threads run their Python meanwhile.  Keeping it there under 64 / 512 slots
+ * (a0fc233) showed no gain on the H200: 256 KiB host-memory arena saves 27.7, 27.7 against 31.2,
+ * 29.4 GB/s before it, legs alternated (profiling/results/h200-4f66d29/bench-shm-ab.log), a gap
+ * within this measure's spread (with the release back, 28.5, 29.3 against 28.3, 26.6,
+ * h200-0e74e6a/).  link_keys (system calls) always releases. */
 #define RELEASE_MIN_BLOCKS 64
 
 static PyThreadState *release_gil_if(int worth_it) { return worth_it ? PyEval_SaveThread() : NULL; }
