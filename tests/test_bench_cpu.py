@@ -218,3 +218,52 @@ def test_raw_beside_repeats_an_overwrite_leg_in_place(tmp_path, monkeypatch):
     out = bench.raw_beside(str(tmp_path), sweep, bench.Budget(60.0, 10.0), False, bench.Tracer(None, False), "t")
     assert out["write_GBps"] > 0 and out["read_GBps"] > 0
     assert calls == [(True, False, True), (True, True, True), (False, True, True)]
+
+
+def _ab():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ab", os.path.join(REPO, "profiling", "ab.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_summary_pairs_each_trees_legs_and_their_mean_ratio():
+    ab = _ab()
+    legs = [("new", {"shm arena save 256K GB/s": 30.0, "only new": 1.0}), ("old", {"shm arena save 256K GB/s": 20.0}),
+            ("new", {"shm arena save 256K GB/s": 34.0}), ("old", {"shm arena save 256K GB/s": 24.0})]
+    table = {t["figure"]: t for t in ab.summarize(legs, "new", "old")}
+    row = table["shm arena save 256K GB/s"]
+    assert row["new"] == [30.0, 34.0] and row["old"] == [20.0, 24.0]
+    assert row["ratio"] == pytest.approx(32.0 / 22.0)
+    assert table["only new"]["old"] == [] and table["only new"]["ratio"] is None
+
+
+def test_ab_refuses_a_base_that_would_import_another_checkouts_package(tmp_path):
+    ab = _ab()
+    with pytest.raises(SystemExit, match="not from that tree"):
+        ab._check_import(str(tmp_path), ab._env(str(tmp_path), "x"))
+
+
+def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
+    """An A/A run (the base is this checkout): both trees' legs measured, the table in ab.json."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = tmp_path / "ab"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "profiling", "ab.py"), "--base", REPO, "--pairs", "1", "--out", str(out),
+         "--", "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB", "--no-baselines",
+         "--no-executor", "--no-overlap", "--shm-dir", str(tmp_path / "shm")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "ab.json") as fh:
+        res = json.load(fh)
+    assert res["base"] == res["this"] + "-base"
+    rows = {t["figure"]: t for t in res["table"]}
+    modes = {name[len("shm "):-len(" save 256K GB/s")] for name in rows if name.endswith(" save 256K GB/s")}
+    assert len(modes) == 1, sorted(rows)  # the pool kind --shm-dir gives (block files on a plain tmp dir)
+    mode = modes.pop()
+    assert set(rows) == {f"shm {mode} save 256K GB/s", f"shm {mode} load 256K GB/s"}, sorted(rows)
+    for t in res["table"]:
+        assert len(t[res["this"]]) == 1 and len(t[res["base"]]) == 1 and t["ratio"] > 0
+    assert "ratio" in proc.stdout
