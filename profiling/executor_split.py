@@ -1,6 +1,6 @@
 """Where the executor thread's connector time goes, callback by callback and iteration by iteration.
 
-    python profiling/executor_split.py [--device cuda] [--requests 64] [--layers 32]
+    python profiling/executor_split.py [--device cuda] [--requests 64] [--layers 32] [--new-tokens 16]
 
 Runs the bench's executor phase (``bench.executor_cost``: the reference executor, a cold round that
 only saves, then a warm round that loads the same prompts) and splits each round into its first
@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens each request generates (the bench's "
+                    "--exec-new-tokens)")
     args = ap.parse_args()
     gc.set_threshold(20000, 10, 10)  # TensorRT-LLM's executor setting, as in the bench
     acc_of: dict[str, dict] = {}
@@ -88,7 +90,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="gdskv-split-", dir=base)
     try:
         out = bench.executor_cost(root, torch.device(args.device), bench.KvikioDefaults(), bench.Tracer(None, False),
-                                  requests=args.requests, layers=args.layers)
+                                  requests=args.requests, layers=args.layers, new_tokens=args.new_tokens)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in out["rounds"]:

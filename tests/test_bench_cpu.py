@@ -116,6 +116,9 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     assert ex["iterations"] > 0 and ex["callback_us_per_iteration"] > 0
     assert ex["layer_hook_calls"] > 0 and ex["layer_hook_us_per_call"] > 0
     assert ex["loaded_tokens"] > 0  # the second round hit the pool
+    assert ex["max_new_tokens"] == 16  # the default workload; the goal line names it
+    goal = next(g for g in res["goals"] if g["goal"] == "executor callbacks per iteration")
+    assert "16 new tokens each" in goal["note"]
     m = res["match"]
     assert m["blocks"] == 4096 and m["prompt_tokens"] > 128 * 1024
     assert m["warm_median_ms"] > 0 and m["first_call_ms"] > 0
@@ -183,6 +186,9 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
 @pytest.mark.parametrize("script,args,expect", [
     ("arena_py_cost.py", ["--blocks", "512", "--batch", "64", "--rounds", "2"], "save-link"),
     ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2"], "executor-thread CPU us"),
+    # a longer decode than the pool was first sized for (blocks for prompt + new tokens)
+    ("executor_split.py", ["--device", "cpu", "--requests", "4", "--layers", "2", "--new-tokens", "400"],
+     "steady median us"),
     ("arena_scaling.py", ["--block", "64KiB", "--blocks", "64", "--batch", "32", "--threads", "1,2"],
      "wall     CPU  us/block on its thread"),
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2"], '"create_tmp"'),
@@ -267,3 +273,9 @@ def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
     for t in res["table"]:
         assert len(t[res["this"]]) == 1 and len(t[res["base"]]) == 1 and t["ratio"] > 0
     assert "ratio" in proc.stdout
+
+
+def test_bench_refuses_a_decode_of_no_tokens():
+    proc = subprocess.run([sys.executable, BENCH, "--exec-new-tokens", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--exec-new-tokens must be at least 1" in proc.stderr
