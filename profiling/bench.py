@@ -603,13 +603,7 @@ class ConnectorRig:
         out = save_blocks(self.pool, self.engine, [key], [ZERO_KEY], [view])
         if out.failed:
             raise RuntimeError(f"warm-up save failed: {out.failed[0][1]}")
-        pins = pin_blocks(self.pool, [key])
-        try:
-            load_blocks(self.pool, self.engine, pins, [view], verify=True, retries=2,
-                        deadline=time.monotonic() + 60)
-        finally:
-            for p in pins:
-                self.pool.unpin(p)
+        load_keys(self.pool, self.engine, [key], [view], retries=2, timeout_s=60)
         with contextlib.suppress(OSError):
             os.unlink(self.pool.path_for(key))
         self.pool.forget(key)
@@ -1090,13 +1084,7 @@ def overlap(root: str, device: torch.device, io_threads: int, threads: int, bloc
                     if o.failed:
                         raise RuntimeError(f"overlap save failed: {o.failed[0][1]}")
                     with tracer.rf(f"bench/load_blocks x{per_thread}"):
-                        pins = pin_blocks(rig.pool, keys)
-                        try:
-                            load_blocks(rig.pool, rig.engine, pins, views, verify=True, retries=2,
-                                        deadline=time.monotonic() + 120)
-                        finally:
-                            for p in pins:
-                                rig.pool.unpin(p)
+                        load_keys(rig.pool, rig.engine, keys, views, retries=2, timeout_s=120)
                     for key in keys:
                         with contextlib.suppress(OSError):
                             os.unlink(rig.pool.path_for(key))
