@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -42,6 +43,7 @@ from thread_clock import clock_bias  # noqa: E402
 
 _acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # step -> [wall s, CPU s]
 _lock = threading.Lock()
+_WARM_BLOCKS = 8  # per thread, saved and loaded before timing
 _BIAS = clock_bias()
 
 
@@ -92,6 +94,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", default="1,2,4,8")
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--repeat", type=int, default=1, help="timed save+load rounds per thread count, fresh keys "
+                    "each (a round of 256 KiB blocks lasts a fraction of a second: one host stall moves it)")
+    ap.add_argument("--cold-threads", action="store_true", help="time new threads whose first batch sets up "
+                    "their CUDA streams and staging (the way this script ran before its threads were warmed)")
     ap.add_argument("--switch-interval-us", type=float, help="sys.setswitchinterval for the run: how long a "
                     "thread back from a GIL-free call may wait before it forces the holder to let go")
     ap.add_argument("--ablate", default="", help=f"comma-separated steps made no-ops: {', '.join(_ABLATIONS)}")
@@ -109,21 +115,38 @@ def main() -> None:
           + (f", no-op steps: {', '.join(ablate)} (saves only)" if ablate else ""))
     for threads in [int(t) for t in a.threads.split(",")]:
         root = tempfile.mkdtemp(prefix="gdskv-arena-scaling-", dir=a.dir)
+        xfer = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="scaling-xfer")
         try:
             engine = make_engine("auto", device, 16)
             pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, refs=True, index_ttl_s=600)
-            pool.arena = SlotArena(pool, engine, (threads * n + 64) * pool.file_size + (64 << 20), 256 << 20, 5.0)
+            slots = a.repeat * threads * n + threads * _WARM_BLOCKS + 64
+            pool.arena = SlotArena(pool, engine, slots * pool.file_size + (64 << 20), 256 << 20, 5.0)
             pool.arena.start(background=False)
             kv = torch.randint(0, 256, (threads * n, size), dtype=torch.uint8, device=device)
             views = [kv[i] for i in range(threads * n)]
-            block_io.save_blocks(pool, engine, [os.urandom(32)], [ZERO_KEY], [views[0]])  # warm-up
+
+            def warm(t: int, gate: threading.Barrier) -> None:
+                """One small save and load on this thread, so its CUDA streams, pinned staging and
+                kernels exist before anything is timed, as in a connector's long-lived transfer threads;
+                the barrier puts one warm-up on each thread of the pool."""
+                gate.wait()
+                ks = [os.urandom(32) for _ in range(_WARM_BLOCKS)]
+                vs = views[t * n:t * n + _WARM_BLOCKS]
+                block_io.save_blocks(pool, engine, ks, [ZERO_KEY] * len(ks), vs)
+                block_io.load_blocks(pool, engine, block_io.pin_blocks(pool, ks), vs, verify=True, retries=0,
+                                     deadline=time.monotonic() + 60)
+
+            if a.cold_threads:  # the old way: the timed threads are new, their first batch sets them up
+                warm(0, threading.Barrier(1))
+            else:
+                gate = threading.Barrier(threads)
+                for f in [xfer.submit(warm, t, gate) for t in range(threads)]:
+                    f.result()
             _ablate(pool, engine, ablate)
             _instrument(pool, engine)
-            keys = [hashlib.sha256(b"%d %d" % (threads, i)).digest() for i in range(threads * n)]
-
             thread_cpu: list[float] = []
 
-            def work(t: int, direction: str) -> None:
+            def work(t: int, direction: str, keys: list[bytes]) -> None:
                 c0 = time.thread_time()
                 for lo in range(t * n, (t + 1) * n, a.batch):
                     ks, vs = keys[lo:lo + a.batch], views[lo:lo + a.batch]
@@ -137,31 +160,39 @@ def main() -> None:
                 with _lock:
                     thread_cpu.append(time.thread_time() - c0)
 
-            for direction in ("save",) if ablate else ("save", "load"):
-                _acc.clear()
-                thread_cpu.clear()
-                if direction == "load":
-                    pool.arena.drop_caches()
-                ts = [threading.Thread(target=work, args=(t, direction)) for t in range(threads)]
-                t0 = time.perf_counter()
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                wall = time.perf_counter() - t0
-                total = threads * n
-                print(f"== {threads} thread(s) {direction}: {total} blocks in {wall:.3f} s = "
-                      f"{total * size / wall / 1e9:.2f} GB/s, {wall / total * 1e6:.2f} us/block overall")
-                per_thread_wall = wall * 1e6 / n  # each thread's wall time per block it moved
-                steps = sorted(_acc.items(), key=lambda kv: -kv[1][0])
-                print(f"     {'step':<34} {'wall':>7} {'CPU':>7}  us/block on its thread")
-                for name, (secs, cpu) in steps:
-                    print(f"     {name:<34} {secs / total * 1e6:7.2f} {cpu / total * 1e6:7.2f}")
-                rest = per_thread_wall - sum(e[0] for _, e in steps) / total * 1e6
-                rest_cpu = (sum(thread_cpu) - sum(e[1] for _, e in steps)) / total * 1e6
-                print(f"     {'(the rest: Python in block_io)':<34} {rest:7.2f} {rest_cpu:7.2f}")
+            for rep in range(a.repeat):
+                keys = [hashlib.sha256(b"%d %d %d" % (threads, rep, i)).digest() for i in range(threads * n)]
+                for direction in ("save",) if ablate else ("save", "load"):
+                    _acc.clear()
+                    thread_cpu.clear()
+                    if direction == "load":
+                        pool.arena.drop_caches()
+                    t0 = time.perf_counter()
+                    if a.cold_threads:
+                        ts = [threading.Thread(target=work, args=(t, direction, keys)) for t in range(threads)]
+                        for th in ts:
+                            th.start()
+                        for th in ts:
+                            th.join()
+                    else:
+                        for f in [xfer.submit(work, t, direction, keys) for t in range(threads)]:
+                            f.result()
+                    wall = time.perf_counter() - t0
+                    total = threads * n
+                    print(f"== {threads} thread(s) {direction}{f' (repeat {rep + 1})' if a.repeat > 1 else ''}: "
+                          f"{total} blocks in {wall:.3f} s = {total * size / wall / 1e9:.2f} GB/s, "
+                          f"{wall / total * 1e6:.2f} us/block overall")
+                    per_thread_wall = wall * 1e6 / n  # each thread's wall time per block it moved
+                    steps = sorted(_acc.items(), key=lambda kv: -kv[1][0])
+                    print(f"     {'step':<34} {'wall':>7} {'CPU':>7}  us/block on its thread")
+                    for name, (secs, cpu) in steps:
+                        print(f"     {name:<34} {secs / total * 1e6:7.2f} {cpu / total * 1e6:7.2f}")
+                    rest = per_thread_wall - sum(e[0] for _, e in steps) / total * 1e6
+                    rest_cpu = (sum(thread_cpu) - sum(e[1] for _, e in steps)) / total * 1e6
+                    print(f"     {'(the rest: Python in block_io)':<34} {rest:7.2f} {rest_cpu:7.2f}")
             pool.arena.close()
         finally:
+            xfer.shutdown(wait=True)
             shutil.rmtree(root, ignore_errors=True)
 
 

@@ -536,9 +536,10 @@ def raw_beside(dirpath: str, sweep: dict, budget: Budget, global_drop: bool, tra
 # the connector's path: block_io with the engine the connector would choose
 # ----------------------------------------------------------------------------------------------
 def _run_batches(batches: list[list[int]], fn: Callable[[list[int]], int], threads: int,
-                 deadline: float) -> tuple[int, float, int, bool]:
+                 deadline: float, pool: ThreadPoolExecutor | None = None) -> tuple[int, float, int, bool]:
     """Run ``fn`` over batches on ``threads`` threads (like the connector's transfer threads) until
-    all are done or ``deadline``; returns (bytes, seconds, batches done, capped by time)."""
+    all are done or ``deadline``; returns (bytes, seconds, batches done, capped by time).  ``pool``:
+    long-lived threads to run on (a rig's, set up by its warm-up), else new ones for this call."""
     it = iter(batches)
     lock = threading.Lock()
     capped = [False]
@@ -559,9 +560,11 @@ def _run_batches(batches: list[list[int]], fn: Callable[[list[int]], int], threa
                 count[0] += 1
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-xfer") as ex:
-        futs = [ex.submit(worker) for _ in range(min(threads, len(batches)))]
-        total = sum(f.result() for f in futs)
+    if pool is not None:
+        total = sum(f.result() for f in [pool.submit(worker) for _ in range(min(threads, len(batches)))])
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-xfer") as ex:
+            total = sum(f.result() for f in [ex.submit(worker) for _ in range(min(threads, len(batches)))])
     secs = time.perf_counter() - t0
     return total, secs, count[0], capped[0] and count[0] < len(batches)
 
@@ -570,9 +573,10 @@ class ConnectorRig:
     """A pool directory, a BlockPool and an engine as the worker would build them."""
 
     def __init__(self, root: str, payload: int, device: torch.device, io_threads: int, tag: str,
-                 kvd: KvikioDefaults, arena_bytes: int = 0) -> None:
+                 kvd: KvikioDefaults, arena_bytes: int = 0, transfer_threads: int = 1) -> None:
         """``arena_bytes`` > 0: the pool runs a slot arena of that size (TLLM_GDS_KV_ARENA_BYTES), built
-        here before anything is timed; how long that took is kept in ``arena_setup_s``."""
+        here before anything is timed; how long that took is kept in ``arena_setup_s``.
+        ``transfer_threads``: the long-lived threads the timed phases run on, as a worker's are."""
         kvd.restore()  # a fresh engine, as in a fresh process
         self.root = root
         fp = hashlib.sha256(f"gdskv-bench/{tag}/{os.getpid()}/{time.time_ns()}".encode()).digest()
@@ -583,6 +587,8 @@ class ConnectorRig:
         self.device = device
         self.payload = payload
         self.arena_setup_s: float | None = None
+        self.transfer_threads = transfer_threads
+        self.xfer = ThreadPoolExecutor(max_workers=transfer_threads, thread_name_prefix="bench-xfer")
         if arena_bytes:
             t0 = time.perf_counter()
             self.pool.arena = SlotArena(self.pool, self.engine, arena_bytes, 256 << 20, 5.0,
@@ -597,18 +603,29 @@ class ConnectorRig:
         return "arena" if self.pool.arena.mapped else "arena on disk"
 
     def warm_up(self) -> None:
-        """Probe, thread pools and checksum kernels, outside every timed region."""
-        view = _rand_bytes((1, self.payload), self.device, 1)[0]
-        key = hashlib.sha256(b"warm" + os.urandom(8)).digest()
-        out = save_blocks(self.pool, self.engine, [key], [ZERO_KEY], [view])
-        if out.failed:
-            raise RuntimeError(f"warm-up save failed: {out.failed[0][1]}")
-        load_keys(self.pool, self.engine, [key], [view], retries=2, timeout_s=60)
-        with contextlib.suppress(OSError):
-            os.unlink(self.pool.path_for(key))
-        self.pool.forget(key)
+        """Probe, thread pools and checksum kernels, outside every timed region: one block saved
+        and loaded on each transfer thread, which sets up its CUDA streams and pinned staging as a
+        connector's long-lived transfer threads do once in their life (the barrier puts one
+        warm-up on each thread)."""
+        views = _rand_bytes((self.transfer_threads, self.payload), self.device, 1)
+        gate = threading.Barrier(self.transfer_threads)
+
+        def one(view: torch.Tensor) -> None:
+            gate.wait(timeout=120)
+            key = hashlib.sha256(b"warm" + os.urandom(8)).digest()
+            out = save_blocks(self.pool, self.engine, [key], [ZERO_KEY], [view])
+            if out.failed:
+                raise RuntimeError(f"warm-up save failed: {out.failed[0][1]}")
+            load_keys(self.pool, self.engine, [key], [view], retries=2, timeout_s=60)
+            with contextlib.suppress(OSError):
+                os.unlink(self.pool.path_for(key))
+            self.pool.forget(key)
+
+        for f in [self.xfer.submit(one, views[t]) for t in range(self.transfer_threads)]:
+            f.result()
 
     def close(self) -> None:
+        self.xfer.shutdown(wait=True)
         if self.pool.arena is not None:
             self.pool.arena.close()
         self.engine.close()
@@ -644,9 +661,9 @@ def _median_run(rows: list[dict]) -> dict:
 
 
 def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], parents: list[bytes],
-                    batch_blocks: int, threads: int, budget: Budget, is_memory: bool, global_drop: bool,
+                    batch_blocks: int, budget: Budget, is_memory: bool, global_drop: bool,
                     tracer: Tracer, label: str) -> tuple[dict, dict]:
-    pool, engine = rig.pool, rig.engine
+    pool, engine, threads = rig.pool, rig.engine, rig.transfer_threads
     n = kv.shape[0]
     views = [kv[i] for i in range(n)]
     saved: list[int] = []
@@ -666,7 +683,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
     _sync(rig.device)
     with tracer.rf(f"bench/connector/{label}/save"):
         gc_mark = GC.mark()
-        nbytes, secs, _, capped = _run_batches(batches, do_save, threads, time.monotonic() + budget.cap())
+        nbytes, secs, _, capped = _run_batches(batches, do_save, threads, time.monotonic() + budget.cap(), rig.xfer)
         gc_save = GC.since(gc_mark)
         t0 = time.perf_counter()
         syncfs(rig.root)
@@ -692,7 +709,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
     batches = [saved[i:i + batch_blocks] for i in range(0, len(saved), batch_blocks)]
     with tracer.rf(f"bench/connector/{label}/load"):
         gc_mark = GC.mark()
-        nbytes, secs, _, capped = _run_batches(batches, do_load, threads, time.monotonic() + budget.cap())
+        nbytes, secs, _, capped = _run_batches(batches, do_load, threads, time.monotonic() + budget.cap(), rig.xfer)
         gc_load = GC.since(gc_mark)
     budget.phases_left -= 1
     load = {"direction": "load", "blocks": nbytes // rig.payload, "bytes": nbytes, "seconds": round(secs, 4),
@@ -1632,7 +1649,8 @@ def main(argv: list[str] | None = None) -> int:
                     def connector_rows(kv: torch.Tensor, use_arena: bool) -> None:
                         arena = args.repeat * (n + 2) * fsize + (256 << 20) if use_arena else 0
                         rig = ConnectorRig(os.path.join(info["dir"], f"pool-{fmt_size(size)}"), size, device,
-                                           args.io_threads, label, kvd, arena_bytes=arena)
+                                           args.io_threads, label, kvd, arena_bytes=arena,
+                                           transfer_threads=args.transfer_threads)
                         try:
                             rig.warm_up()
                             info["engine_data_path"] = rig.engine.data_path()
@@ -1644,7 +1662,7 @@ def main(argv: list[str] | None = None) -> int:
                                 keys = [hashlib.sha256(f"{label}/{time.time_ns()}/{rep}/{i}".encode()).digest()
                                         for i in range(n)]
                                 parents = [ZERO_KEY] + keys[:-1]
-                                runs.append(connector_phase(rig, kv, keys, parents, batch, args.transfer_threads,
+                                runs.append(connector_phase(rig, kv, keys, parents, batch,
                                                             budget, info["memory"], global_drop, tracer, label))
                             save, load = (_median_run([r[k] for r in runs]) for k in (0, 1))
                             sweep = res["ceilings"]["storage"].get(t) or {}
