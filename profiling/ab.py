@@ -46,6 +46,10 @@ def _check_import(tree: str, env: dict[str, str]) -> None:
 
 
 def _label(tree: str) -> str:
+    """The tree's own git commit, else its directory's name.  A tree without a ``.git`` of its own
+    (an exported commit inside another checkout) is not named after the checkout around it."""
+    if not os.path.exists(os.path.join(tree, ".git")):
+        return os.path.basename(os.path.normpath(tree))
     got = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return got.stdout.strip() if got.returncode == 0 else os.path.basename(os.path.normpath(tree))
 
@@ -106,7 +110,9 @@ def main() -> None:
     if a.pairs < 1:
         raise SystemExit("ab.py: --pairs must be at least 1")
     base = os.path.abspath(a.base)
-    this_label, base_label = _label(HERE), a.label or _label(base)
+    # a copy of this checkout whose .git lags its files (a device's working-tree copy) would be named
+    # after the wrong commit: GDS_KV_COMMIT, which the bench records too, names it when set
+    this_label, base_label = os.environ.get("GDS_KV_COMMIT") or _label(HERE), a.label or _label(base)
     if this_label == base_label:
         base_label += "-base"
     os.makedirs(a.out, exist_ok=True)

@@ -251,6 +251,16 @@ def test_ab_refuses_a_base_that_would_import_another_checkouts_package(tmp_path)
         ab._check_import(str(tmp_path), ab._env(str(tmp_path), "x"))
 
 
+def test_ab_names_an_exported_tree_inside_a_checkout_by_its_directory():
+    """A base exported under devtmp/ of this checkout has no .git: it is not named after this
+    checkout's commit (both legs carried one label on the device before)."""
+    ab = _ab()
+    inner = os.path.join(REPO, "profiling")
+    assert ab._label(inner) == "profiling"
+    if os.path.exists(os.path.join(REPO, ".git")):
+        assert ab._label(REPO) != "profiling" and ab._label(REPO)
+
+
 def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
     """An A/A run (the base is this checkout): both trees' legs measured, the table in ab.json."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
