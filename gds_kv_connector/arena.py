@@ -63,7 +63,7 @@ SLAB_SUFFIX = ".slab"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
-_SLAB_SLOT, _KEY_CREATED = operator.attrgetter("slab", "slot"), operator.attrgetter("key", "created_ns")
+_SLAB_SLOT = operator.attrgetter("slab", "slot")
 _KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
 _SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
@@ -90,6 +90,7 @@ class Slab:
     registered: bool
     writable: bool
     owned: bool = False  # created or adopted by this process (it holds the slab's flock)
+    sid: int = -1  # this process's number for the slab: the high bits of its slots' positions in _used
 
 
 class ArenaError(RuntimeError):
@@ -122,9 +123,15 @@ class SlotArena:
         # Runs of free slots, (ready at, slab, first slot, count): a batch of 256 slots is taken in one
         # or two steps instead of 256 deque pops on a transfer thread holding the GIL.
         self._free: collections.deque[tuple[float, str, int, int]] = collections.deque()
-        # (slab, slot) -> (key, created_ns) of published slots, least recently used first: a plain dict
-        # (insertion-ordered; a touch re-inserts), cheaper per block to update than an OrderedDict
-        self._used: dict[tuple[str, int], tuple[bytes, int]] = {}
+        # position -> SlotRef of published slots, least recently used first: a plain dict
+        # (insertion-ordered; a touch re-inserts), cheaper per block to update than an OrderedDict.
+        # A position is an int (slab.sid << 32 | slot), so the only object a saved block leaves
+        # behind is its SlotRef, shared with _where: the (slab, slot) and (key, created) tuples
+        # this held before were two more objects per block for Python's cyclic GC to count, and
+        # the bench's 256 KiB save phases spent 6-15% of their time in collections it triggered
+        # (profiling/results/h200-424dd80/).
+        self._used: dict[int, SlotRef] = {}
+        self._sids = itertools.count()
         self._where: dict[bytes, SlotRef] = {}  # keys this process published or resolved
         self._ref_files: dict[tuple[int, int, int], dict[bytes, SlotRef]] = {}
         self.owned_slots = 0
@@ -252,7 +259,7 @@ class SlotArena:
         now = self.clock()
         with self._lock:
             for slot, ref in used:
-                self._used[(name, slot)] = (ref.key, ref.created_ns)
+                self._used[slab.sid << 32 | slot] = ref
                 self.remember(ref)
             self._free.extend((now, name, first, count) for first, count in _runs(free))
             self.owned_slots += nslots
@@ -262,14 +269,14 @@ class SlotArena:
 
     def _map(self, name: str, fd: int, nslots: int, writable: bool) -> Slab:
         if not self.mapped:  # a slab on disk: its descriptor is all the engine needs
-            return Slab(name, fd, None, None, 0, nslots, False, writable)
+            return Slab(name, fd, None, None, 0, nslots, False, writable, sid=next(self._sids))
         size = nslots * self.slot_bytes
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         # MAP_POPULATE faults every page in now (allocating a fresh slab's pages), not per DMA.
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
         array = np.frombuffer(mm, dtype=np.uint8)
         base = array.__array_interface__["data"][0]
-        slab = Slab(name, fd, mm, array, base, nslots, False, writable)
+        slab = Slab(name, fd, mm, array, base, nslots, False, writable, sid=next(self._sids))
         del array
         try:
             self.mapper.register_host(base, size, not writable)
@@ -381,9 +388,26 @@ class SlotArena:
         return [slabs[name].base + slot * sb for name, slot in slots]
 
     def published(self, refs: list[SlotRef]) -> None:
-        with self._lock:  # (slab, slot) -> (key, created_ns), built by C iterators, not a Python loop
-            self._used.update(zip(map(_SLAB_SLOT, refs), map(_KEY_CREATED, refs)))
+        """Slots of this owner's slabs that a reference file now names."""
+        with self._lock:
+            self._used.update(zip(self._positions(refs), refs))
         self.remember_all(refs)
+
+    def _positions(self, refs: list[SlotRef]) -> list[int]:
+        """Each ref's key in ``_used``; -1 for a slab this process has not mapped.  A batch's refs
+        nearly always share one slab: then C iterators build the list, not a Python loop."""
+        slabs = self._slabs
+        names = set(map(_SLAB, refs))
+        if len(names) == 1:
+            slab = slabs.get(names.pop())
+            if slab is None:
+                return [-1] * len(refs)
+            return list(map((slab.sid << 32).__or__, map(_SLOT, refs)))
+        out = []
+        for name, slot in map(_SLAB_SLOT, refs):
+            slab = slabs.get(name)
+            out.append(-1 if slab is None else slab.sid << 32 | slot)
+        return out
 
     def release(self, slab: str, slot: int) -> None:
         """A slot that was never published (lost race, failed copy): free at once."""
@@ -395,31 +419,31 @@ class SlotArena:
         recently used blocks (a batch ahead of need, since freed slots cool for reuse_delay_s)."""
         with self._lock:
             candidates = list(itertools.islice(self._used.items(), max(4 * need, 64)))
-        freed: list[tuple[str, int]] = []
-        for (name, slot), (key, created) in candidates:
-            ref = self.pool.read_ref(key)
-            if ref is None or (ref.slab, ref.slot, ref.created_ns) != (name, slot, created):
-                freed.append((name, slot))
+        freed: list[int] = []  # positions
+        for pos, mine in candidates:
+            ref = self.pool.read_ref(mine.key)
+            if ref is None or (ref.slab, ref.slot, ref.created_ns) != (mine.slab, mine.slot, mine.created_ns):
+                freed.append(pos)
         if len(freed) < need:
             want = max(need - len(freed), self.capacity_slots // 32)
             gone = set(freed)
             with self._lock:
-                victims = list(itertools.islice(((s, v) for s, v in self._used.items() if s not in gone), want))
-            for (name, slot), (key, created) in victims:
-                self.pool.unpublish_ref(key, SlotRef(key, name, slot, created))
-                freed.append((name, slot))
+                victims = list(itertools.islice(((p, r) for p, r in self._used.items() if p not in gone), want))
+            for pos, mine in victims:
+                self.pool.unpublish_ref(mine.key, mine)
+                freed.append(pos)
             self.stats["evicted"] += len(victims)
         ready = self.clock() + self.reuse_delay_s
         with self._lock:
             by_slab: dict[str, list[int]] = {}
-            for s in freed:
-                entry = self._used.pop(s, None)
+            for pos in freed:
+                entry = self._used.pop(pos, None)
                 if entry is None:
                     continue
-                where = self._where.get(entry[0])
-                if where is not None and (where.slab, where.slot) == s:
-                    del self._where[entry[0]]
-                by_slab.setdefault(s[0], []).append(s[1])
+                where = self._where.get(entry.key)
+                if where is not None and (where.slab, where.slot) == (entry.slab, entry.slot):
+                    del self._where[entry.key]
+                by_slab.setdefault(entry.slab, []).append(entry.slot)
             for name, slots in by_slab.items():
                 self._free.extend((ready, name, first, count) for first, count in _runs(slots))
         self.stats["reclaimed"] += len(freed)
@@ -502,10 +526,10 @@ class SlotArena:
         """Loaded from this owner's slots: they become the most recently used."""
         with self._lock:
             used = self._used
-            for k in map(_SLAB_SLOT, refs):
-                entry = used.pop(k, None)
+            for pos in self._positions(refs):
+                entry = used.pop(pos, None)
                 if entry is not None:
-                    used[k] = entry  # re-inserted: now the most recently used
+                    used[pos] = entry  # re-inserted: now the most recently used
 
     def usage(self) -> dict[str, int]:
         with self._lock:

@@ -489,6 +489,23 @@ def test_a_loaded_block_is_evicted_after_the_ones_not_used_since(shm_root, engin
     a.arena.close()
 
 
+def test_a_saved_block_leaves_one_object_for_the_cyclic_gc_in_the_arena(shm_root, engine):
+    """Positions are ints (untracked by the cyclic GC) and the LRU's values are the SlotRefs that
+    _where holds: a save batch of 256 blocks no longer leaves 768 tracked objects behind."""
+    import gc
+
+    a = _pool(shm_root, engine, 8, per_slab=4)
+    keys, d = _keys(6), _data(6, 12)
+    assert save_blocks(a, engine, keys, [ZERO_KEY] * 6, [d[i] for i in range(6)]).published == 6
+    used = a.arena._used
+    assert len(used) == 6 and len({ref.slab for ref in used.values()}) == 2  # the batch spanned two slabs
+    for pos, ref in used.items():
+        assert type(pos) is int and not gc.is_tracked(pos)
+        assert a.arena._where[ref.key] is ref
+        assert pos & 0xFFFFFFFF == ref.slot and pos >> 32 == a.arena._slabs[ref.slab].sid
+    a.arena.close()
+
+
 def test_disk_slabs_are_fsynced_once_each_before_their_references(shm_root, engine, slab_mode):
     """TLLM_GDS_KV_FSYNC with slabs on disk: one fsync per slab written in the batch, before the
     reference file; a failed fsync fails that slab's blocks and frees their slots."""
