@@ -63,9 +63,9 @@ SLAB_SUFFIX = ".slab"
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
-_SLAB_SLOT = operator.attrgetter("slab", "slot")
 _KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
 _SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
 _WHERE_CACHE = 1 << 20  # remembered key locations (about 200 bytes each)
 _FILL_CHUNK = 8 << 20  # one O_DIRECT write of a new disk slab's zeros
@@ -385,6 +385,9 @@ class SlotArena:
     def slot_addrs(self, slots: list[tuple[str, int]]) -> list[int]:
         """Start addresses of this owner's slots (their headers), for native.write_headers."""
         slabs, sb = self._slabs, self.slot_bytes
+        names = set(map(_FIRST, slots))
+        if len(names) == 1:  # one slab, the common batch: C iterators, not a Python loop
+            return list(map(slabs[names.pop()].base.__add__, map(sb.__mul__, map(_SECOND, slots))))
         return [slabs[name].base + slot * sb for name, slot in slots]
 
     def published(self, refs: list[SlotRef]) -> None:
@@ -403,11 +406,8 @@ class SlotArena:
             if slab is None:
                 return [-1] * len(refs)
             return list(map((slab.sid << 32).__or__, map(_SLOT, refs)))
-        out = []
-        for name, slot in map(_SLAB_SLOT, refs):
-            slab = slabs.get(name)
-            out.append(-1 if slab is None else slab.sid << 32 | slot)
-        return out
+        high = {name: -1 if slabs.get(name) is None else slabs[name].sid << 32 for name in names}
+        return list(map(int.__or__, map(high.__getitem__, map(_SLAB, refs)), map(_SLOT, refs)))  # -1 | slot == -1
 
     def release(self, slab: str, slot: int) -> None:
         """A slot that was never published (lost race, failed copy): free at once."""

@@ -122,9 +122,11 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     arena = pool.arena
     assert arena is not None
     addrs = arena.slot_addrs(slots)
+    every = len(todo) == len(keys)  # the common batch: no key of it was in the pool
     try:
         native.clear_headers(addrs)
-        engine.copy_to_host([(a + HEADER_SIZE, views[i]) for i, a in zip(todo, addrs)], arena.slot_bytes)
+        todo_views = views if every else map(views.__getitem__, todo)
+        engine.copy_to_host(list(zip(map(HEADER_SIZE.__add__, addrs), todo_views)), arena.slot_bytes)
     except BaseException as exc:
         for slab, slot in slots:
             arena.release(slab, slot)
@@ -132,8 +134,11 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
             raise
         out.failed.extend((keys[i], _cause(exc)) for i in todo)
         return
-    todo_keys = keys if len(todo) == len(keys) else [keys[i] for i in todo]
-    native.write_headers(addrs, pool.fingerprint, todo_keys, [parents[i] or ZERO_KEY for i in todo],
+    todo_keys = keys if every else [keys[i] for i in todo]
+    todo_parents = parents if every else [parents[i] for i in todo]
+    if not all(todo_parents):  # b"" stands for no parent
+        todo_parents = [p or ZERO_KEY for p in todo_parents]
+    native.write_headers(addrs, pool.fingerprint, todo_keys, todo_parents,
                          sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
     _publish_slots(pool, todo_keys, slots, now, out)
 
@@ -195,7 +200,8 @@ def _publish_slots(pool: BlockPool, todo_keys: list[bytes], slots: list[tuple[st
     by_slab = [(slab, list(group)) for slab, group in itertools.groupby(refs_all, _SLAB)]
     for slab, refs in by_slab:
         outcomes = pool.publish_refs(slab, refs)
-        published = [r for r, outcome in zip(refs, outcomes) if outcome is True]
+        published = refs if outcomes.count(True) == len(refs) else \
+            [r for r, outcome in zip(refs, outcomes) if outcome is True]
         if len(published) < len(refs):
             for r, outcome in zip(refs, outcomes):
                 if outcome is True:

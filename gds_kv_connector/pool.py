@@ -43,16 +43,20 @@ _HOST = socket.gethostname().replace("-", "_")[:40] or "host"
 _REF_KEY = operator.attrgetter("key")
 
 
-@dataclass
+@dataclass(slots=True)
 class Pin:
     """An open read-only descriptor on a published block file, or (``fd`` -1) the arena slot a
     reference file named; a slot's record is checked again around the copy, not held open."""
 
     key: bytes
-    path: str
+    dir: str  # the key's directory: the file's path is only spelled out when an error names it
     fd: int
     ino: int
     slot: SlotRef | None = None
+
+    @property
+    def path(self) -> str:
+        return f"{self.dir}/{self.key.hex()}{BLOCK_SUFFIX}"
 
 
 class PoolError(RuntimeError):
@@ -85,6 +89,9 @@ class BlockPool:
         self.arena: SlotArena | None = None  # set by the worker for a host-memory pool (arena.py)
         self.refs = refs
         self._made_dirs: set[str] = set()
+        # every key directory is in _made_dirs: publish_refs then skips its per-batch pass over the
+        # batch's first key bytes (up to 256 set lookups per save batch on a transfer thread)
+        self._key_dirs_made = False
         self._lock = threading.Lock()
         for root, fp_dir in zip(self.roots, self.fp_dirs):
             self._check_root(root)
@@ -132,8 +139,8 @@ class BlockPool:
     def not_indexed(self, keys: list[bytes]) -> list[int]:
         """Positions of the keys this process did not see published within index_ttl_s (no system
         call; one pass per save batch)."""
-        now, get = time.monotonic(), self._index.get
-        return [i for i, k in enumerate(keys) if get(k, 0.0) <= now]
+        expiries = map(self._index.get, keys, itertools.repeat(0.0))
+        return list(itertools.compress(itertools.count(), map(time.monotonic().__ge__, expiries)))
 
     def count_present(self, keys: list[bytes], start: int = 0) -> int:
         """How many consecutive keys from ``start`` are in the pool.
@@ -168,11 +175,13 @@ class BlockPool:
         quarantined the same way.  O_NONBLOCK keeps a FIFO planted at the name from blocking the
         transfer thread in open(2); it has no effect on regular files.
         """
-        path = self.path_for(key)
+        d = self.dir_for(key)
         if self.arena is not None:
             ref = self.arena.cached_ref(key)
-            if ref is not None:
-                return Pin(key, path, -1, 0, ref)
+            if ref is not None:  # the common arena load: no system call and no path string
+                return Pin(key, d, -1, 0, ref)
+        path = f"{d}/{key.hex()}{BLOCK_SUFFIX}"
+        if self.arena is not None:
             # A reference file read before (one per save batch) is known by inode, size and ctime: one
             # lstat instead of open, read, parse and close for each of its keys.
             try:
@@ -183,7 +192,7 @@ class BlockPool:
                 ref = self.arena.ref_file_entry((st.st_ino, st.st_size, st.st_ctime_ns), key)
                 if ref is not None:
                     self.arena.remember(ref)
-                    return Pin(key, path, -1, st.st_ino, ref)
+                    return Pin(key, d, -1, st.st_ino, ref)
         try:
             fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -218,8 +227,8 @@ class BlockPool:
         if ref is not None:
             self.ops.close(fd)
             self.arena.remember(ref)
-            return Pin(key, path, -1, st.st_ino, ref)
-        return Pin(key, path, fd, st.st_ino)
+            return Pin(key, d, -1, st.st_ino, ref)
+        return Pin(key, d, fd, st.st_ino)
 
     def _peek_magic(self, fd: int) -> bytes:
         raw = bytearray(8)
@@ -294,11 +303,13 @@ class BlockPool:
             try:
                 keys = list(map(_REF_KEY, chunk))
                 no_dir: dict[int, Exception] = {}  # by the key's first byte, which names its directory
-                for b in {k[0] for k in keys}:
-                    try:
-                        self._makedirs(self._key_dirs[b])
-                    except (OSError, PoolError) as exc:
-                        no_dir[b] = exc
+                if not self._key_dirs_made:
+                    for b in {k[0] for k in keys}:
+                        try:
+                            self._makedirs(self._key_dirs[b])
+                        except (OSError, PoolError) as exc:
+                            no_dir[b] = exc
+                    self._key_dirs_made = self._made_dirs.issuperset(self._key_dirs)
                 results = self.ops.link_keys(tmp, self._key_dirs,
                                              [k for k in keys if k[0] not in no_dir] if no_dir else keys,
                                              BLOCK_SUFFIX)
@@ -360,6 +371,7 @@ class BlockPool:
                 if attempt or not os.path.lexists(path):
                     break
                 self._made_dirs.discard(qdir)
+                self._key_dirs_made = False
                 try:
                     self._makedirs(qdir)
                 except (OSError, PoolError):
@@ -498,6 +510,7 @@ class BlockPool:
             if depth > 8 or parent == d:
                 raise
             self._made_dirs.discard(parent)  # cached, but removed since
+            self._key_dirs_made = False
             self._makedirs(parent, depth + 1)
             return self._makedirs(d, depth + 1)
         try:
@@ -512,6 +525,7 @@ class BlockPool:
     def _forget_dirs(self, d: str) -> None:
         """Drop ``d`` and its parents from the made-directories cache (they were removed)."""
         with self._lock:
+            self._key_dirs_made = False
             while d and d not in self.roots and d != os.path.dirname(d):
                 self._made_dirs.discard(d)
                 d = os.path.dirname(d)
