@@ -289,3 +289,25 @@ def test_bench_refuses_a_decode_of_no_tokens():
     proc = subprocess.run([sys.executable, BENCH, "--exec-new-tokens", "0"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--exec-new-tokens must be at least 1" in proc.stderr
+
+
+def test_trtllm_goal_note_names_rows_the_ceiling_bounds():
+    """A row whose goal multiple of the example's speed is above its ceiling is named with the bound;
+    one with room under the ceiling is named apart; rows at the goal are not named."""
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench
+
+    mib = 1 << 20
+    rows = [  # GBps, x over the example, share of the ceiling (ceiling 55 GB/s each)
+        {"direction": "load", "block_bytes": 9 * mib // 4, "GBps": 52.0, "x_trtllm_example": 20.0,
+         "ratio_to_ceiling": 52.0 / 55.0},  # example 2.6 GB/s: 30x would be 78 GB/s
+        {"direction": "load", "block_bytes": mib, "GBps": 50.0, "x_trtllm_example": 29.0,
+         "ratio_to_ceiling": 50.0 / 55.0},  # example 1.72 GB/s: 30x is 51.7 GB/s, under 55
+        {"direction": "save", "block_bytes": mib, "GBps": 50.0, "x_trtllm_example": 45.0,
+         "ratio_to_ceiling": 50.0 / 55.0},
+    ]
+    note = bench._trtllm_bound_note(rows, 30.0)
+    assert "load 2.25M: 30x its 2.60 GB/s is 78 GB/s, above the 55.0 GB/s ceiling (at most 21.2x)" in note
+    assert "below the goal with the ceiling above it: load 1M 29.0x" in note
+    assert "save" not in note
+    assert bench._trtllm_bound_note(rows[2:], 30.0) == ""
