@@ -86,3 +86,28 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
         assert [(op.keys, op.block_ids) for op in meta.loads] == [((keys[0], keys[2]), (5, 6))]
     finally:
         worker.shutdown()
+
+
+def test_block_ids_reported_per_layer_group_or_by_an_older_report_type(pool_env):
+    """V2 reports carry new pages in new_block_ids_by_layer_group (new_block_ids empty); reports of a
+    TensorRT-LLM before that field (no attribute at all) carry them in new_block_ids. Both land in
+    the saves, block for block."""
+    from types import SimpleNamespace
+
+    sched, worker = _pair()
+    try:
+        prompt = list(range(300, 310))  # two full blocks and two tokens
+        keys = _keys(sched, prompt + [1, 2])
+        sched.get_num_new_matched_tokens(SimRequest(3, prompt, tokens=list(prompt)), 0)
+        v2 = RequestData(request_id=3, new_tokens=prompt, new_block_ids=[], computed_position=0,
+                         num_scheduled_tokens=len(prompt), new_block_ids_by_layer_group=[[4, 5, 6]])
+        meta = sched.build_connector_meta(SchedulerOutput(new_requests=[v2]))
+        assert [(s.keys, s.block_ids) for s in meta.saves] == [(tuple(keys[:2]), (4, 5))]
+        old = SimpleNamespace(request_id=3, new_tokens=[1, 2], new_block_ids=[], computed_position=11,
+                              num_scheduled_tokens=1)  # no new_block_ids_by_layer_group attribute
+        idle = RequestData(request_id=99, new_tokens=[], new_block_ids=[], computed_position=0,
+                           num_scheduled_tokens=0)  # first in the list: the list's type has the field
+        meta = sched.build_connector_meta(SchedulerOutput(cached_requests=[idle, old]))
+        assert [(s.keys, s.block_ids) for s in meta.saves] == [((keys[2],), (6,))]
+    finally:
+        worker.shutdown()
