@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gds_kv_connector import block_io, native  # noqa: E402
 from gds_kv_connector.arena import SlotArena  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.kv_layout import pool_from_tensor  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
@@ -82,7 +83,7 @@ def _ablate(pool: BlockPool, engine, steps: list[str]) -> None:
         elif step == "checksums":
             engine.checksums = lambda views: [0] * len(views)
         elif step == "copy_to_host":
-            engine.copy_to_host = lambda pairs, pitch: None
+            engine.copy_to_host = lambda pairs, pitch, blocks=None: None
         else:
             raise SystemExit(f"--ablate: {step!r} is not one of {', '.join(_ABLATIONS)}")
 
@@ -123,7 +124,7 @@ def main() -> None:
             pool.arena = SlotArena(pool, engine, slots * pool.file_size + (64 << 20), 256 << 20, 5.0)
             pool.arena.start(background=False)
             kv = torch.randint(0, 256, (threads * n, size), dtype=torch.uint8, device=device)
-            views = [kv[i] for i in range(threads * n)]
+            blocks = pool_from_tensor(kv)  # views as the worker's KvPool hands them to transfers
 
             def warm(t: int, gate: threading.Barrier) -> None:
                 """One small save and load on this thread, so its CUDA streams, pinned staging and
@@ -131,7 +132,7 @@ def main() -> None:
                 the barrier puts one warm-up on each thread of the pool."""
                 gate.wait()
                 ks = [os.urandom(32) for _ in range(_WARM_BLOCKS)]
-                vs = views[t * n:t * n + _WARM_BLOCKS]
+                vs = blocks.block_views(range(t * n, t * n + _WARM_BLOCKS))
                 block_io.save_blocks(pool, engine, ks, [ZERO_KEY] * len(ks), vs)
                 block_io.load_blocks(pool, engine, block_io.pin_blocks(pool, ks), vs, verify=True, retries=0,
                                      deadline=time.monotonic() + 60)
@@ -149,7 +150,7 @@ def main() -> None:
             def work(t: int, direction: str, keys: list[bytes]) -> None:
                 c0 = time.thread_time()
                 for lo in range(t * n, (t + 1) * n, a.batch):
-                    ks, vs = keys[lo:lo + a.batch], views[lo:lo + a.batch]
+                    ks, vs = keys[lo:lo + a.batch], blocks.block_views(range(lo, min(lo + a.batch, (t + 1) * n)))
                     if direction == "save":
                         out = block_io.save_blocks(pool, engine, ks, [ZERO_KEY] * len(ks), vs)
                         assert not out.failed, out.failed[:1]

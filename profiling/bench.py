@@ -59,6 +59,7 @@ from gds_kv_connector.arena import HOST_FS_TYPES, SlotArena, maps_slabs  # noqa:
 from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
+from gds_kv_connector.kv_layout import pool_from_tensor  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY, file_size_for  # noqa: E402
 from gds_kv_connector.settings import Settings, parse_size  # noqa: E402
@@ -665,14 +666,14 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
                     tracer: Tracer, label: str) -> tuple[dict, dict]:
     pool, engine, threads = rig.pool, rig.engine, rig.transfer_threads
     n = kv.shape[0]
-    views = [kv[i] for i in range(n)]
+    blocks = pool_from_tensor(kv)  # the blocks as the worker's KvPool hands them to transfers
     saved: list[int] = []
     lock = threading.Lock()
 
     def do_save(idx: list[int]) -> int:
         with tracer.rf(f"bench/save_blocks x{len(idx)}"):
             out = save_blocks(pool, engine, [keys[i] for i in idx], [parents[i] for i in idx],
-                              [views[i] for i in idx])
+                              blocks.block_views(idx))
         if out.failed:
             raise RuntimeError(f"{len(out.failed)} block saves failed (first cause: {out.failed[0][1]})")
         with lock:
@@ -703,7 +704,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
 
     def do_load(idx: list[int]) -> int:
         with tracer.rf(f"bench/load_blocks x{len(idx)}"):
-            return load_keys(pool, engine, [keys[i] for i in idx], [views[i] for i in idx], retries=2,
+            return load_keys(pool, engine, [keys[i] for i in idx], blocks.block_views(idx), retries=2,
                              timeout_s=120)
 
     batches = [saved[i:i + batch_blocks] for i in range(0, len(saved), batch_blocks)]
