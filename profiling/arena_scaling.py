@@ -124,7 +124,8 @@ def main() -> None:
             pool.arena = SlotArena(pool, engine, slots * pool.file_size + (64 << 20), 256 << 20, 5.0)
             pool.arena.start(background=False)
             kv = torch.randint(0, 256, (threads * n, size), dtype=torch.uint8, device=device)
-            blocks = pool_from_tensor(kv)  # views as the worker's KvPool hands them to transfers
+            blocks = pool_from_tensor(kv)  # views as the worker's KvPool hands them to transfers,
+            blocks.block_views(range(threads * n))  # all made before timing, as a worker's are once
 
             def warm(t: int, gate: threading.Barrier) -> None:
                 """One small save and load on this thread, so its CUDA streams, pinned staging and
