@@ -49,14 +49,14 @@ class Pin:
     reference file named; a slot's record is checked again around the copy, not held open."""
 
     key: bytes
-    dir: str  # the key's directory: the file's path is only spelled out when an error names it
+    key_dir: str  # the key's directory: the file's path is only spelled out when an error names it
     fd: int
     ino: int
     slot: SlotRef | None = None
 
     @property
     def path(self) -> str:
-        return f"{self.dir}/{self.key.hex()}{BLOCK_SUFFIX}"
+        return f"{self.key_dir}/{self.key.hex()}{BLOCK_SUFFIX}"
 
 
 class PoolError(RuntimeError):
