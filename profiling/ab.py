@@ -66,7 +66,11 @@ def _rows(res: dict) -> dict[str, float]:
         if r.get("GBps") is None:
             continue
         size = _size(r["block_bytes"])
-        out[f"{r['target']} {r.get('pool_mode', '')} {r['direction']} {size} GB/s"] = r["GBps"]
+        name = f"{r['target']} {r.get('pool_mode', '')} {r['direction']} {size}"
+        out[f"{name} GB/s"] = r["GBps"]
+        gc_runs = [g for g in r.get("gc_runs") or () if g]
+        if gc_runs:  # Python's cyclic GC pauses every thread: a gap in GB/s may be a collection moved
+            out[f"{name} GC ms, all runs (lower is better)"] = round(sum(g["ms"] for g in gc_runs), 2)
     ex = res.get("executor") or {}
     if ex.get("callback_us_per_iteration") is not None:
         out["executor us/iteration (lower is better)"] = ex["callback_us_per_iteration"]
