@@ -623,3 +623,21 @@ def test_slabs_of_another_host_are_read_but_never_adopted_or_collected(shm_root,
     monkeypatch.setattr(pool_mod, "_HOST", "nodea")
     r = gc(shm_root, 0, 0.9, now=time.time() + 120)
     assert (r["slabs_removed"], r["slabs_of_other_hosts"]) == (1, 0) and os.listdir(a.arena.dir) == []
+
+
+def test_the_key_directory_pass_stops_once_every_key_directory_exists(shm_root, engine):
+    """publish_refs makes the directories of a batch's keys until all 256 exist, then skips that
+    pass; forgetting a removed directory brings it back."""
+    a = _pool(shm_root, engine, 300, per_slab=300)
+    first = [bytes([b]) + hashlib.sha256(bytes([b])).digest()[1:] for b in range(128)]
+    assert save_blocks(a, engine, first, [ZERO_KEY] * 128, [v for v in _data(128, 3)]).published == 128
+    assert not a._key_dirs_made
+    second = [bytes([b]) + hashlib.sha256(bytes([b])).digest()[1:] for b in range(128, 256)]
+    assert save_blocks(a, engine, second, [ZERO_KEY] * 128, [v for v in _data(128, 4)]).published == 128
+    assert a._key_dirs_made
+    a._forget_dirs(a.dir_for(first[0]))
+    assert not a._key_dirs_made
+    again = [bytes([0]) + hashlib.sha256(b"again").digest()[1:]]
+    assert save_blocks(a, engine, again, [ZERO_KEY], [_data(1, 5)[0]]).published == 1
+    assert a._key_dirs_made
+    a.arena.close()

@@ -57,3 +57,15 @@ def test_saved_block_round_trips_and_parent_recorded(tmp_path):
     load_blocks(pool, eng, pins, dst, verify=True, retries=0, deadline=1e18)
     assert all(torch.equal(a, b) for a, b in zip(views, dst))
     assert oct(os.stat(pool.path_for(keys[0])).st_mode & 0o777) == "0o600"
+
+
+def test_not_indexed_lists_keys_absent_or_expired_in_order(tmp_path):
+    """The save path's one pass over the index: positions of keys not seen published within the TTL."""
+    import time
+
+    pool = BlockPool((str(tmp_path),), b"\x05" * 32, 4096, 16)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    now = time.monotonic()
+    pool._index.update({keys[1]: now + 60, keys[2]: now - 1, keys[4]: now + 60})  # 2 has expired
+    assert pool.not_indexed(keys) == [0, 2, 3]
+    assert pool.not_indexed([]) == []
