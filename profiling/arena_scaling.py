@@ -40,6 +40,7 @@ from gds_kv_connector.kv_layout import pool_from_tensor  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
+from bench import load_keys  # noqa: E402
 from thread_clock import clock_bias  # noqa: E402
 
 _acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # step -> [wall s, CPU s]
@@ -135,8 +136,7 @@ def main() -> None:
                 ks = [os.urandom(32) for _ in range(_WARM_BLOCKS)]
                 vs = blocks.block_views(range(t * n, t * n + _WARM_BLOCKS))
                 block_io.save_blocks(pool, engine, ks, [ZERO_KEY] * len(ks), vs)
-                block_io.load_blocks(pool, engine, block_io.pin_blocks(pool, ks), vs, verify=True, retries=0,
-                                     deadline=time.monotonic() + 60)
+                load_keys(pool, engine, ks, vs, retries=0, timeout_s=60)
 
             if a.cold_threads:  # the old way: the timed threads are new, their first batch sets them up
                 warm(0, threading.Barrier(1))

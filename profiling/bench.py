@@ -561,11 +561,12 @@ def _run_batches(batches: list[list[int]], fn: Callable[[list[int]], int], threa
                 count[0] += 1
 
     t0 = time.perf_counter()
-    if pool is not None:
-        total = sum(f.result() for f in [pool.submit(worker) for _ in range(min(threads, len(batches)))])
-    else:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-xfer") as ex:
-            total = sum(f.result() for f in [ex.submit(worker) for _ in range(min(threads, len(batches)))])
+    ex = pool or ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-xfer")
+    try:
+        total = sum(f.result() for f in [ex.submit(worker) for _ in range(min(threads, len(batches)))])
+    finally:
+        if pool is None:
+            ex.shutdown(wait=True)
     secs = time.perf_counter() - t0
     return total, secs, count[0], capped[0] and count[0] < len(batches)
 

@@ -625,19 +625,32 @@ def test_slabs_of_another_host_are_read_but_never_adopted_or_collected(shm_root,
     assert (r["slabs_removed"], r["slabs_of_other_hosts"]) == (1, 0) and os.listdir(a.arena.dir) == []
 
 
-def test_the_key_directory_pass_stops_once_every_key_directory_exists(shm_root, engine):
+def test_the_key_directory_pass_stops_once_every_key_directory_exists(shm_root, engine, monkeypatch):
     """publish_refs makes the directories of a batch's keys until all 256 exist, then skips that
     pass; forgetting a removed directory brings it back."""
     a = _pool(shm_root, engine, 300, per_slab=300)
+    calls: list[str] = []
+    makedirs = a._makedirs
+    monkeypatch.setattr(a, "_makedirs", lambda d, depth=0: (calls.append(d), makedirs(d, depth))[1])
+    key_dirs = set(a._key_dirs)
+
+    def save(keys, seed):
+        calls.clear()
+        assert save_blocks(a, engine, keys, [ZERO_KEY] * len(keys), [v for v in _data(len(keys), seed)]).published \
+            == len(keys)
+        return [d for d in calls if d in key_dirs]
+
+    # each save also makes (or finds made) the directory of its reference file: its first key's
     first = [bytes([b]) + hashlib.sha256(bytes([b])).digest()[1:] for b in range(128)]
-    assert save_blocks(a, engine, first, [ZERO_KEY] * 128, [v for v in _data(128, 3)]).published == 128
-    assert not a._key_dirs_made
+    assert len(set(save(first, 3))) == 128
     second = [bytes([b]) + hashlib.sha256(bytes([b])).digest()[1:] for b in range(128, 256)]
-    assert save_blocks(a, engine, second, [ZERO_KEY] * 128, [v for v in _data(128, 4)]).published == 128
-    assert a._key_dirs_made
+    assert len(set(save(second, 4))) == 128  # the pass ran: half the directories were still missing
+    later = bytes([7]) + hashlib.sha256(b"later").digest()[1:]
+    assert save([later], 5) == [a.dir_for(later)]  # all 256 exist: the pass is skipped
     a._forget_dirs(a.dir_for(first[0]))
-    assert not a._key_dirs_made
-    again = [bytes([0]) + hashlib.sha256(b"again").digest()[1:]]
-    assert save_blocks(a, engine, again, [ZERO_KEY], [_data(1, 5)[0]]).published == 1
-    assert a._key_dirs_made
+    again = [bytes([9]) + hashlib.sha256(b"again").digest()[1:], bytes([0]) + hashlib.sha256(b"again").digest()[1:]]
+    d9, d0 = a.dir_for(again[0]), a.dir_for(again[1])
+    assert sorted(save(again, 6)) == sorted([d9, d9, d0])  # the reference file's directory, then the pass
+    after = bytes([9]) + hashlib.sha256(b"after").digest()[1:]
+    assert save([after], 7) == [a.dir_for(after)]
     a.arena.close()
