@@ -18,7 +18,7 @@ import torch
 
 from .checksum import CHECKSUM_ALGO
 from . import native
-from .engines.base import BlockViews, IoEngine, TransferItem
+from .engines.base import IoEngine, TransferItem
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
 
@@ -126,8 +126,7 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     try:
         native.clear_headers(addrs)
         todo_views = views if every else map(views.__getitem__, todo)
-        engine.copy_to_host(list(zip(map(HEADER_SIZE.__add__, addrs), todo_views)), arena.slot_bytes,
-                            blocks=views if every and isinstance(views, BlockViews) else None)
+        engine.copy_to_host(list(zip(map(HEADER_SIZE.__add__, addrs), todo_views)), arena.slot_bytes)
     except BaseException as exc:
         for slab, slot in slots:
             arena.release(slab, slot)
@@ -252,9 +251,7 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
         else:
             for n, csum in zip(mapped_pins, sums):
                 expected[n] = csum
-        whole = len(mapped_pins) == len(pins) and isinstance(views, BlockViews)  # every view, in order
-        engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(mapped_pins, addrs)], pool.file_size,
-                              blocks=views if whole else None)
+        engine.copy_from_host([(a + HEADER_SIZE, views[n]) for n, a in zip(mapped_pins, addrs)], pool.file_size)
         changed = native.first_changed(addrs, fields)
         if changed >= 0:
             pin = pins[mapped_pins[changed]]

@@ -22,8 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engines.base import BlockViews
-
 _SOURCE_NAME = "checksum.cu"
 _THREADS = 256                # threads per CTA; the kernel reduces any multiple of 32 up to 1024
 _FINISH_THREADS = 128
@@ -178,9 +176,6 @@ def checksums_device(views: list[torch.Tensor], stream: torch.cuda.Stream | None
     """
     if not views:
         return []
-    if isinstance(views, BlockViews) and views.device_index >= 0 and (
-            stream is None or stream.device.index == views.device_index):  # a pool's blocks: nothing to ask
-        return _launch(views.device_index, views.nbytes, views.ptrs, stream)
     # The common batch: equal blocks of one KV pool, contiguous, on one device; one pass, one launch.
     first = views[0]
     length, device = first.nbytes, first.get_device()

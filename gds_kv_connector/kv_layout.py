@@ -13,8 +13,6 @@ from typing import Any, Sequence
 
 import torch
 
-from .engines.base import BlockViews
-
 
 class LayoutError(ValueError):
     """The KV cache layout is one this connector cannot serve."""
@@ -35,24 +33,19 @@ class KvPool:
 
     _bytes: torch.Tensor = field(init=False, repr=False, compare=False)
     _views: list[torch.Tensor | None] = field(init=False, repr=False, compare=False)
-    _base: int = field(init=False, repr=False, compare=False)  # address of block 0
-    _device_index: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # [num_blocks, block_bytes] uint8 view, made once: every transfer indexes it per block
         object.__setattr__(self, "_bytes", self.tensor.view(self.tensor.shape[0], -1).view(torch.uint8))
         object.__setattr__(self, "_views", [None] * self.num_blocks)
-        object.__setattr__(self, "_base", self._bytes.data_ptr())
-        object.__setattr__(self, "_device_index", self.tensor.get_device())
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """The block's bytes as a contiguous uint8 vector (a view, no copy)."""
         return self.block_views((block_id,))[0]
 
-    def block_views(self, block_ids: Sequence[int]) -> BlockViews:
-        """:meth:`block_view` of each id, with their addresses (block ``b`` starts ``b * block_bytes``
-        after block 0: the pool is contiguous).  Each view is made on first use and kept (a list slot
-        per block, a tensor object per block used): making a view costs 1-2 us of GIL-held time, and
+    def block_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`block_view` of each id.  Each view is made on first use and kept (a list slot per
+        block, a tensor object per block used): making a view costs 1-2 us of GIL-held time, and
         transfer threads would pay it for every block of every transfer."""
         cache, out = self._views, []
         for b in block_ids:
@@ -62,8 +55,7 @@ class KvPool:
             if v is None:
                 v = cache[b] = self._bytes[b]
             out.append(v)
-        return BlockViews(out, list(map(self._base.__add__, map(self.block_bytes.__mul__, block_ids))),
-                          self.block_bytes, self._device_index)
+        return out
 
 
 def pool_from_tensor(t: Any) -> KvPool:

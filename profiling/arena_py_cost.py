@@ -50,8 +50,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="gdskv-pycost-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     engine = make_engine("auto", torch.device("cpu"), 4)
     engine.checksums = lambda views: [0] * len(views)
-    engine.copy_to_host = lambda pairs, pitch, blocks=None: None
-    engine.copy_from_host = lambda pairs, pitch, blocks=None: None
+    engine.copy_to_host = lambda pairs, pitch: None
+    engine.copy_from_host = lambda pairs, pitch: None
     pool = BlockPool((root,), hashlib.sha256(root.encode()).digest(), size, 32, refs=True, index_ttl_s=600)
     pool.arena = SlotArena(pool, engine, (n + 64) * pool.file_size, 64 << 20, 0.0)
     pool.arena.start(background=False)

@@ -246,15 +246,3 @@ def test_block_views_are_each_blocks_bytes_made_once():
     for bad in (-1, 6):
         with pytest.raises(IndexError, match="outside the pool's 6 blocks"):
             kv.block_views([1, bad])
-
-
-def test_block_views_carry_each_blocks_address_and_length():
-    """The engines take addresses from these instead of asking each view; a slice is a plain list."""
-    from gds_kv_connector.engines.base import BlockViews
-
-    t = torch.zeros((6, 2, 2, 8), dtype=torch.int16)
-    views = pool_from_tensor(t).block_views([5, 0, 3])
-    assert isinstance(views, BlockViews)
-    assert views.ptrs == [v.data_ptr() for v in views] == [t[b].data_ptr() for b in (5, 0, 3)]
-    assert (views.nbytes, views.device_index) == (2 * 2 * 8 * 2, -1)
-    assert type(views[1:]) is list and type(list(views)) is list

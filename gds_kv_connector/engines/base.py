@@ -10,26 +10,8 @@ from __future__ import annotations
 import errno
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
-
-
-class BlockViews(list):
-    """Views of blocks of one contiguous pool, in order, with each one's address and their common
-    byte length worked out from the pool's base address (``kv_layout.KvPool.block_views``).
-
-    The GPU checksum and host-DMA paths take addresses from it instead of asking every view: those
-    three or four torch calls per block were about 0.35 us of GIL-held time per block on the CI VM
-    (twice that on the H200 host), on transfer threads whose 256 KiB blocks have about 5 us of DMA
-    each.  A slice or copy of it is a plain list, so a subset never carries stale addresses."""
-
-    __slots__ = ("ptrs", "nbytes", "device_index")
-
-    def __init__(self, views: Iterable[torch.Tensor], ptrs: list[int], nbytes: int, device_index: int) -> None:
-        """``device_index``: the CUDA device of every view, -1 for host memory."""
-        super().__init__(views)
-        self.ptrs, self.nbytes, self.device_index = ptrs, nbytes, device_index
 
 
 @dataclass
@@ -94,16 +76,13 @@ class IoEngine(ABC):
         """Undo :meth:`register_host` before the range is unmapped."""
 
     @abstractmethod
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, blocks: BlockViews | None = None) -> None:
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         """Copy each view to the host address paired with it; returns when the bytes are there.
-        Host addresses ``pitch`` apart (consecutive slots) may be moved as one strided copy.
-        ``blocks``, when given, is the pairs' views themselves in order: addresses may be taken from it."""
+        Host addresses ``pitch`` apart (consecutive slots) may be moved as one strided copy."""
 
     @abstractmethod
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int,
-                       blocks: BlockViews | None = None) -> None:
-        """Copy from each host address into the view paired with it; returns when they are there.
-        ``blocks`` as for :meth:`copy_to_host`."""
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        """Copy from each host address into the view paired with it; returns when they are there."""
 
     def close(self) -> None:
         """Release threads and handles; outstanding calls must have returned."""

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from .base import BlockViews
-
 _STREAMS_PER_THREAD = 4
 _SPLIT_MIN_BYTES = 8 << 20  # a run below this is not worth splitting across streams
 _REGISTER_PORTABLE = 0x01
@@ -44,18 +42,11 @@ class CudaHostDma:
         with self._cupy.cuda.Device(self._index):
             self._rt.hostUnregister(addr)
 
-    def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool,
-             blocks: BlockViews | None = None) -> None:
-        """``blocks``: the pairs' views in order, whose addresses and length it carries."""
+    def copy(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, to_host: bool) -> None:
         if not pairs:
             return
-        hosts = list(map(_FIRST, pairs))
-        if blocks is not None and blocks.device_index >= 0 and len(blocks) == len(pairs):
-            devs, widths = blocks.ptrs, [blocks.nbytes] * len(pairs)
-        else:
-            views = list(map(_SECOND, pairs))
-            devs, widths = _device_ptrs(views), list(map(_NBYTES, views))
-        runs = coalesce_lists(hosts, devs, widths, pitch)
+        hosts, views = list(map(_FIRST, pairs)), list(map(_SECOND, pairs))
+        runs = coalesce_lists(hosts, _device_ptrs(views), list(map(_NBYTES, views)), pitch)
         streams = self._streams()
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..fileops import FileOps
-from .base import BlockViews, IoEngine, TransferItem, header_io
+from .base import IoEngine, TransferItem, header_io
 from .host_dma import CudaHostDma
 from .staged_files import StagedFileIo
 
@@ -157,12 +157,11 @@ class KvikioEngine(IoEngine):
     def unregister_host(self, addr: int) -> None:
         self._dma().unregister(addr)
 
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, blocks: BlockViews | None = None) -> None:
-        self._dma().copy(pairs, pitch, to_host=True, blocks=blocks)
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        self._dma().copy(pairs, pitch, to_host=True)
 
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int,
-                       blocks: BlockViews | None = None) -> None:
-        self._dma().copy(pairs, pitch, to_host=False, blocks=blocks)
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
+        self._dma().copy(pairs, pitch, to_host=False)
 
     def close(self) -> None:
         if self._staged is not None:

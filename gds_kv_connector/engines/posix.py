@@ -14,7 +14,7 @@ import torch
 
 from ..checksum import checksum_bytes
 from ..fileops import FileOps, read_exact, write_all
-from .base import BlockViews, IoEngine, TransferItem, header_io
+from .base import IoEngine, TransferItem, header_io
 
 
 class PosixEngine(IoEngine):
@@ -50,12 +50,11 @@ class PosixEngine(IoEngine):
             return [checksum_bytes(_host_bytes(v)) for v in views]
         return list(self._pool.map(lambda v: checksum_bytes(_host_bytes(v)), views))
 
-    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int, blocks: BlockViews | None = None) -> None:
+    def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
             ctypes.memmove(addr, _host_bytes(view).ctypes.data, view.nbytes)
 
-    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int,
-                       blocks: BlockViews | None = None) -> None:
+    def copy_from_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
             ctypes.memmove(_host_bytes(view).ctypes.data, addr, view.nbytes)
 

@@ -134,33 +134,3 @@ def test_host_dma_round_trip_in_any_order(shm_root):
     torch.cuda.synchronize()
     assert torch.equal(back, kv)
     pool.arena.close()
-
-
-def test_host_dma_and_checksums_take_a_pools_block_addresses(shm_root):
-    """A KvPool's BlockViews carry each block's address; copies and checksums made from them move
-    and sum the same bytes as from the views themselves, blocks in any order."""
-    from gds_kv_connector.engines.base import BlockViews
-    from gds_kv_connector.gpu_checksum import checksums_device
-    from gds_kv_connector.kv_layout import pool_from_tensor
-
-    payload, n = 64 << 10, 24
-    engine = make_engine("kvikio", torch.device("cuda"), 8)
-    pool = _arena_pool(shm_root, engine, payload, 2 * n)
-    kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device="cuda")
-    ids = torch.randperm(n).tolist()
-    blocks = pool_from_tensor(kv).block_views(ids)
-    assert isinstance(blocks, BlockViews) and blocks.ptrs == [kv[i].data_ptr() for i in ids]
-    assert checksums_device(blocks) == checksums_device([kv[i] for i in ids])
-    slots = pool.arena.alloc(2 * n)
-    addrs = [pool.arena.payload_addr(*s) for s in slots]
-    engine.copy_to_host(list(zip(addrs[:n], blocks)), pool.file_size, blocks=blocks)
-    back = torch.zeros_like(kv)
-    back_blocks = pool_from_tensor(back).block_views(ids)
-    engine.copy_from_host(list(zip(addrs[:n], back_blocks)), pool.file_size, blocks=back_blocks)
-    torch.cuda.synchronize()
-    assert torch.equal(back, kv)
-    again = torch.zeros_like(kv)  # the same slots read into plain views: the bytes are the pool's
-    engine.copy_from_host([(a, again[i]) for a, i in zip(addrs[:n], ids)], pool.file_size)
-    torch.cuda.synchronize()
-    assert torch.equal(again, kv)
-    pool.arena.close()
