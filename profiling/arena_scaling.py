@@ -40,7 +40,7 @@ from gds_kv_connector.kv_layout import pool_from_tensor  # noqa: E402
 from gds_kv_connector.pool import BlockPool  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
-from bench import load_keys  # noqa: E402
+from bench_connector import load_keys  # noqa: E402
 from thread_clock import clock_bias  # noqa: E402
 
 _acc: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])  # step -> [wall s, CPU s]

@@ -2,7 +2,7 @@
 
     python profiling/executor_split.py [--device cuda] [--requests 64] [--layers 32] [--new-tokens 16]
 
-Runs the bench's executor phase (``bench.executor_cost``: the reference executor, a cold round that
+Runs the bench's executor phase (``bench_executor.executor_cost``: the reference executor, a cold round that
 only saves, then a warm round that loads the same prompts) and splits each round into its first
 iteration, which admits every request, and the steady ones after it: the first iteration's time per
 callback, each callback's median over the steady iterations, and the costliest steady iteration
@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench  # noqa: E402
+import bench_executor  # noqa: E402
+from bench_common import KvikioDefaults, Tracer  # noqa: E402
 from thread_clock import clock_bias  # noqa: E402
 from gds_kv_connector.reference import ReferenceExecutor  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> None:
     bias = clock_bias()
 
     def keep_acc(obj, names, acc):
-        """bench._instrument's wall-time account, with the thread's CPU time taken in the same wrapper."""
+        """bench_executor._instrument's wall-time account, with the thread's CPU time taken in the same wrapper."""
         acc_of["acc"] = acc
         for name in names:
             fn = getattr(obj, name, None)
@@ -71,7 +72,7 @@ def main() -> None:
                     cpu_acc[_name] = cpu_acc.get(_name, 0.0) + c1 - c0 - bias
             setattr(obj, name, wrapped)
 
-    bench._instrument = keep_acc
+    bench_executor._instrument = keep_acc
     per_iter: list[dict[str, float]] = []
     step = ReferenceExecutor.step
 
@@ -89,7 +90,7 @@ def main() -> None:
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="gdskv-split-", dir=base)
     try:
-        out = bench.executor_cost(root, torch.device(args.device), bench.KvikioDefaults(), bench.Tracer(None, False),
+        out = bench_executor.executor_cost(root, torch.device(args.device), KvikioDefaults(), Tracer(None, False),
                                   requests=args.requests, layers=args.layers, new_tokens=args.new_tokens)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import _run_batches, load_keys  # noqa: E402
+from bench_connector import _run_batches, load_keys  # noqa: E402
 
 from gds_kv_connector.arena import SlotArena, maps_slabs  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402

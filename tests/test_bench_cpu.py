@@ -52,30 +52,32 @@ def test_bench_writes_ceilings(bench_result):
 def test_raw_one_file_streams_interleave_their_chunks(tmp_path, monkeypatch):
     """Every byte of the shared file is written once, by the thread whose chunk it is, and read back."""
     sys.path.insert(0, os.path.dirname(BENCH))
-    import bench
+    import bench_ceilings
 
-    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
+    monkeypatch.setattr(bench_ceilings, "RAW_CHUNK", 4096)
     pattern = bytes(range(256)) * 16
-    done, _ = bench._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, True, None, pattern, True)
+    done, _ = bench_ceilings._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, True, None, pattern, True)
     assert done == [5 * 4096] * 3
     data = open(tmp_path / "raw-3-one-file", "rb").read()
     assert len(data) == 15 * 4096 and data == pattern * 15
-    got, _ = bench._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, False, done, pattern, True)
+    got, _ = bench_ceilings._raw_streams(str(tmp_path), 3, 5 * 3 * 4096, False, 30.0, False, done, pattern, True)
     assert got == done
 
 
 def test_raw_overwrite_writes_the_same_bytes_in_place(tmp_path, monkeypatch):
     """The overwrite leg rewrites exactly what the first write left (no truncation, no growth)."""
     sys.path.insert(0, os.path.dirname(BENCH))
-    import bench
+    import bench_ceilings
 
-    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
+    monkeypatch.setattr(bench_ceilings, "RAW_CHUNK", 4096)
     first, second = bytes([1]) * 4096, bytes([2]) * 4096
     for one_file in (False, True):
-        done, _ = bench._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, None, first, one_file)
+        done, _ = bench_ceilings._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, None, first,
+                                              one_file)
         names = ["raw-2-one-file"] if one_file else ["raw-2-0", "raw-2-1"]
         inodes = [os.stat(tmp_path / n).st_ino for n in names]
-        again, _ = bench._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, done, second, one_file)
+        again, _ = bench_ceilings._raw_streams(str(tmp_path), 2, 4 * 2 * 4096, False, 30.0, True, done, second,
+                                               one_file)
         assert again == done
         assert [os.stat(tmp_path / n).st_ino for n in names] == inodes
         assert b"".join(open(tmp_path / n, "rb").read() for n in names) == second * 8
@@ -207,21 +209,23 @@ def test_raw_beside_repeats_an_overwrite_leg_in_place(tmp_path, monkeypatch):
     """When the sweep's best write leg was an in-place one, the re-measure beside a row writes its
     files once, then times writing them again; both directions come back measured."""
     sys.path.insert(0, os.path.dirname(BENCH))
-    import bench
+    import bench_ceilings
 
-    monkeypatch.setattr(bench, "RAW_CHUNK", 4096)
-    monkeypatch.setattr(bench, "RAW_BESIDE_BYTES", 16 * 4096)
+    monkeypatch.setattr(bench_ceilings, "RAW_CHUNK", 4096)
+    monkeypatch.setattr(bench_ceilings, "RAW_BESIDE_BYTES", 16 * 4096)
     calls = []
-    real = bench._raw_streams
+    real = bench_ceilings._raw_streams
 
     def spy(dirpath, streams, total, direct, cap_s, write, written, pattern, one_file=False):
         calls.append((write, written is not None, one_file))
         return real(dirpath, streams, total, direct, cap_s, write, written, pattern, one_file)
 
-    monkeypatch.setattr(bench, "_raw_streams", spy)
+    monkeypatch.setattr(bench_ceilings, "_raw_streams", spy)
     sweep = {"write": {"best_streams": 2, "best_layout": "one file overwritten"},
              "read": {"best_streams": 2, "best_layout": "one file"}}
-    out = bench.raw_beside(str(tmp_path), sweep, bench.Budget(60.0, 10.0), False, bench.Tracer(None, False), "t")
+    from bench_common import Budget, Tracer
+
+    out = bench_ceilings.raw_beside(str(tmp_path), sweep, Budget(60.0, 10.0), False, Tracer(None, False), "t")
     assert out["write_GBps"] > 0 and out["read_GBps"] > 0
     assert calls == [(True, False, True), (True, True, True), (False, True, True)]
 
@@ -307,7 +311,7 @@ def test_trtllm_goal_note_names_rows_the_ceiling_bounds():
     """A row whose goal multiple of the example's speed is above its ceiling is named with the bound;
     one with room under the ceiling is named apart; rows at the goal are not named."""
     sys.path.insert(0, os.path.dirname(BENCH))
-    import bench
+    import bench_report
 
     mib = 1 << 20
     rows = [  # GBps, x over the example, share of the ceiling (ceiling 55 GB/s each)
@@ -318,8 +322,8 @@ def test_trtllm_goal_note_names_rows_the_ceiling_bounds():
         {"direction": "save", "block_bytes": mib, "GBps": 50.0, "x_trtllm_example": 45.0,
          "ratio_to_ceiling": 50.0 / 55.0},
     ]
-    note = bench._trtllm_bound_note(rows, 30.0)
+    note = bench_report._trtllm_bound_note(rows, 30.0)
     assert "load 2.25M: 30x its 2.60 GB/s is 78 GB/s, above the 55.0 GB/s ceiling (at most 21.2x)" in note
     assert "below the goal with the ceiling above it: load 1M 29.0x" in note
     assert "save" not in note
-    assert bench._trtllm_bound_note(rows[2:], 30.0) == ""
+    assert bench_report._trtllm_bound_note(rows[2:], 30.0) == ""

@@ -1,0 +1,227 @@
+"""Executor-thread cost of the connector's callbacks, through the reference executor, and the match time
+of a fully cached 128k-token prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from gds_kv_connector.block_io import save_blocks
+from gds_kv_connector.pool_format import ZERO_KEY
+from bench_common import KvikioDefaults, MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK, Tracer, rand_bytes
+
+
+@contextlib.contextmanager
+def connector_env(root: str, arena_bytes: int = 0):
+    saved = {k: v for k, v in os.environ.items() if k.startswith("TLLM_GDS_KV_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ["TLLM_GDS_KV_ROOT"] = root
+    if arena_bytes:
+        os.environ["TLLM_GDS_KV_ARENA_BYTES"] = str(arena_bytes)
+    # the engine and thread counts are the user's to force
+    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_COMPAT_IO", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS"):
+        if k in saved:
+            os.environ[k] = saved[k]
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("TLLM_GDS_KV_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,
+                  layers: int = 32, arena_bytes: int = 0, new_tokens: int = 16) -> dict:
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import (ExecutorConfig, ModelShape, ReferenceExecutor, RunStats, SimRequest,
+                                            fake_llm_args)
+
+    kvd.restore()
+    prompt_blocks = 4
+    shape = ModelShape(num_layers=layers, kv_factor=2, block_elems=512, tokens_per_block=TOKENS_PER_BLOCK)
+    prompt_tokens = prompt_blocks * TOKENS_PER_BLOCK + 5
+    blocks_per_request = -(-(prompt_tokens + new_tokens) // TOKENS_PER_BLOCK) + 1
+    cfg = ExecutorConfig(shape=shape, num_blocks=requests * blocks_per_request + 32, max_batch=requests,
+                         device=str(device))
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(32000) for _ in range(prompt_tokens)] for _ in range(requests)]
+    out: dict[str, Any] = {"requests_per_batch": requests, "num_layers": layers, "block_bytes": shape.block_bytes,
+                           "prompt_tokens": len(prompts[0]), "max_new_tokens": new_tokens, "rounds": [],
+                           "arena_bytes": arena_bytes}
+    with connector_env(root, arena_bytes):
+        llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-executor")
+        worker = GdsKvConnectorWorker(llm_args)
+        ex = ReferenceExecutor(GdsKvConnectorScheduler(llm_args), worker, cfg)
+        try:
+            out["engine"] = worker.transfers.engine.data_path()
+            if worker.pool.arena is not None:  # built in the background at start-up; not per-iteration cost
+                worker.pool.arena.wait_ready(120)
+            ex.stats = RunStats()  # start-up (register_kv_caches, engine probe) is not per-iteration cost
+            totals = RunStats()
+            acc: dict[str, list] = {}
+            _instrument(ex.sched, _SCHED_CALLBACKS, acc)
+            _instrument(ex.worker, _WORKER_CALLBACKS, acc)
+            for r, what in enumerate(("cold: saves only", "warm: same prompts again, loads from the pool")):
+                before = RunStats(**vars(ex.stats))
+                wait_before = worker.stats.snapshot().get("sync_load_wait_us", 0)
+                acc.clear()
+                for i, p in enumerate(prompts):
+                    ex.submit(SimRequest(r * 10_000 + i, p, max_new_tokens=new_tokens))
+                per_iter: list[float] = []
+                step = ex.step
+
+                def timed_step(_step=step, _per=per_iter):
+                    c0 = ex.stats.callback_s
+                    _step()
+                    _per.append(ex.stats.callback_s - c0)
+                ex.step = timed_step
+                with tracer.rf(f"bench/executor/round{r}"):
+                    ex.run_until_done()
+                ex.step = step
+                now = ex.stats
+                d = {k: getattr(now, k) - getattr(before, k) for k in vars(now)}
+                for k, v in d.items():
+                    setattr(totals, k, getattr(totals, k) + v)
+                d["sync_load_wait_s"] = (worker.stats.snapshot().get("sync_load_wait_us", 0) - wait_before) / 1e6
+                totals.sync_load_wait_s = getattr(totals, "sync_load_wait_s", 0.0) + d["sync_load_wait_s"]
+                summary = _exec_summary(d, what)
+                rest = sorted(per_iter[1:]) or [0.0]
+                summary["iteration_us"] = {  # the admission iteration apart from the steady ones after it
+                    "first": round(1e6 * per_iter[0], 1) if per_iter else None,
+                    "rest_median": round(1e6 * rest[len(rest) // 2], 1), "rest_max": round(1e6 * rest[-1], 1)}
+                summary["by_callback"] = {
+                    name: {"calls": c, "total_us": round(1e6 * secs, 1), "us_per_call": round(1e6 * secs / c, 3),
+                           "us_per_iteration": round(1e6 * secs / d["iterations"], 3) if d["iterations"] else None}
+                    for name, (c, secs) in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+                out["rounds"].append(summary)
+            out.update(_exec_summary({**vars(totals), "sync_load_wait_s": getattr(totals, "sync_load_wait_s", 0.0)},
+                                     "both rounds"))
+        finally:
+            worker.shutdown()
+    return out
+
+
+_SCHED_CALLBACKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                    "request_finished")
+_WORKER_CALLBACKS = ("bind_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+                     "wait_for_save", "get_finished")
+
+
+def _instrument(obj: Any, names: tuple[str, ...], acc: dict[str, list]) -> None:
+    """Per-callback time, for the breakdown only (RunStats gives the totals the goals use)."""
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                e = acc.setdefault(_name, [0, 0.0])
+                e[0] += 1
+                e[1] += time.perf_counter() - t0
+        setattr(obj, name, wrapped)
+
+
+def _exec_summary(d: dict, what: str) -> dict:
+    iters = d["iterations"]
+    busy = iters - d["idle_iterations"]
+    return {"what": what, "iterations": iters, "busy_iterations": busy, "idle_iterations": d["idle_iterations"],
+            "callback_s": round(d["callback_s"], 6),
+            "callback_us_per_iteration": round(1e6 * d["callback_s"] / iters, 3) if iters else None,
+            "callback_us_per_busy_iteration": round(1e6 * d["callback_s"] / busy, 3) if busy else None,
+            "layer_hook_calls": d["layer_hook_calls"], "layer_hook_s": round(d["layer_hook_s"], 6),
+            "layer_hook_us_per_call": (round(1e6 * d["layer_hook_s"] / d["layer_hook_calls"], 3)
+                                       if d["layer_hook_calls"] else None),
+            # synchronous loads are waited for in layer 0's hook: their bytes' transfer time, not callback cost
+            "sync_load_wait_s": round(d.get("sync_load_wait_s", 0.0), 6),
+            "layer_hook_us_per_call_excl_sync_load_wait": (
+                round(1e6 * (d["layer_hook_s"] - d.get("sync_load_wait_s", 0.0)) / d["layer_hook_calls"], 3)
+                if d["layer_hook_calls"] else None),
+            "loaded_tokens": d["loaded_tokens"], "async_loads": d["async_loads"], "sync_loads": d["sync_loads"],
+            "wall_s": round(d["wall_s"], 3)}
+
+
+def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefaults, tracer: Tracer,
+               time_cap_s: float, arena_bytes: int = 0) -> dict:
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector import native
+    from gds_kv_connector.keys import base_fingerprint, chain_from_tokens, chain_seed, extend_chain, tokens_to_bytes
+    from gds_kv_connector.local_peer import lookup
+    from gds_kv_connector.reference import SimRequest, fake_llm_args
+
+    kvd.restore()
+    tokens = MATCH_BLOCKS * TOKENS_PER_BLOCK + 1  # one prompt token is always left to compute
+    rng = random.Random(99)
+    prompt = [rng.randrange(32000) for _ in range(tokens)]
+    out: dict[str, Any] = {"prompt_tokens": tokens, "blocks": MATCH_BLOCKS, "tokens_per_block": TOKENS_PER_BLOCK,
+                           "arena_bytes": arena_bytes}
+    with connector_env(root, arena_bytes):
+        llm_args = fake_llm_args(TOKENS_PER_BLOCK, model="gdskv-bench-match")
+        sched, worker = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
+        try:
+            worker.register_kv_caches(torch.zeros((8, 1, 2, MATCH_BLOCK_ELEMS), dtype=torch.bfloat16, device=device))
+            sched.wait_for_initialization()
+            if worker.pool.arena is not None:
+                worker.pool.arena.wait_ready(120)
+            peer = lookup(llm_args)
+            payload = worker.pool.payload_len
+            out["block_bytes"] = payload
+            keys = extend_chain(chain_seed(base_fingerprint(peer.geometry), None), tokens_to_bytes(prompt),
+                                TOKENS_PER_BLOCK, 0, MATCH_BLOCKS)
+            data = rand_bytes((MATCH_BLOCKS, payload), device, 5)
+            t0 = time.perf_counter()
+            with tracer.rf("bench/match/build_pool"):
+                for i in range(0, MATCH_BLOCKS, 512):
+                    o = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
+                                    [keys[j - 1] if j else ZERO_KEY for j in range(i, min(MATCH_BLOCKS, i + 512))],
+                                    [data[j] for j in range(i, min(MATCH_BLOCKS, i + 512))])
+                    if o.failed:
+                        raise RuntimeError(f"building the match pool: {len(o.failed)} saves failed ({o.failed[0][1]})")
+            out["build_s"] = round(time.perf_counter() - t0, 3)
+            times: list[float] = []
+            rid = 1_000_000
+            deadline = time.monotonic() + time_cap_s
+            with tracer.rf("bench/match/calls"):
+                while len(times) < 3 or (len(times) < 30 and time.monotonic() < deadline):
+                    req = SimRequest(rid, prompt)
+                    req.tokens = list(prompt)
+                    t0 = time.perf_counter()
+                    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+                    times.append(time.perf_counter() - t0)
+                    sched.request_reset(req)
+                    rid += 1
+                    if matched != MATCH_BLOCKS * TOKENS_PER_BLOCK:
+                        raise RuntimeError(f"fully cached prompt matched {matched} tokens, expected "
+                                           f"{MATCH_BLOCKS * TOKENS_PER_BLOCK}")
+            comp: dict[str, Any] = {"native": native.BUILT}
+            seed = chain_seed(base_fingerprint(peer.geometry), None)
+            t0 = time.perf_counter()
+            chain_from_tokens(seed, prompt, 0, TOKENS_PER_BLOCK, MATCH_BLOCKS)
+            comp["key_chain_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            t0 = time.perf_counter()
+            extend_chain(seed, tokens_to_bytes(prompt), TOKENS_PER_BLOCK, 0, MATCH_BLOCKS)
+            comp["key_chain_python_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            worker.pool.count_present(keys)
+            t0 = time.perf_counter()
+            worker.pool.count_present(keys)
+            comp["count_present_warm_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+            out["components"] = comp
+            warm = sorted(times[1:])
+            out.update({"first_call_ms": round(times[0] * 1e3, 3), "warm_calls": len(warm),
+                        "warm_median_ms": round(warm[len(warm) // 2] * 1e3, 3),
+                        "warm_min_ms": round(warm[0] * 1e3, 3), "warm_max_ms": round(warm[-1] * 1e3, 3),
+                        "is_async": bool(is_async), "index_ttl_s": worker.pool.index_ttl_s,
+                        "note": "first call stats every block file; later calls hit the index (warm)"})
+        finally:
+            worker.shutdown()
+    return out
