@@ -1,0 +1,110 @@
+"""The scheduler's per-request work with warm caches: what the executor phase's figures would be if
+nothing ran between the callbacks.
+
+    python profiling/fold_cost.py [--reps 300]
+
+Times, in executor-thread CPU (``time.thread_time_ns``), with a host-memory pool in a temporary
+directory under /dev/shm (or the system temp directory): ``build_connector_meta`` folding 64 decode
+reports (one new token each, no new pages, saves off as in 31 of 32 decode steps), back to back; and
+admission, ``get_num_new_matched_tokens`` + ``update_state_after_alloc`` for 64 new 133-token
+requests, cold (nothing in the pool: one ``lstat`` per request) and warm (every block indexed).
+The bench's executor phase runs the same callbacks between the reference executor's forward passes
+and measured them 2-3 times slower on the CI VM (``profiling/executor_split.py``); the gap is
+memory the callbacks touch after the forward evicted it, which fewer instructions would not remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_executor import connector_env  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
+from gds_kv_connector.reference import SimRequest, fake_llm_args  # noqa: E402
+from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput  # noqa: E402
+
+REQUESTS, PROMPT, TPB = 64, 133, 32
+
+
+def _prompts(rng: random.Random) -> list[SimRequest]:
+    out = []
+    for _ in range(REQUESTS):
+        p = [rng.randrange(32000) for _ in range(PROMPT)]
+        r = SimRequest(rng.randrange(1 << 40), p)
+        r.tokens = list(p)
+        out.append(r)
+    return out
+
+
+def _admit(sched: GdsKvConnectorScheduler, reqs: list[SimRequest]) -> float:
+    """Microseconds of thread CPU to admit ``reqs`` (match, then allocation)."""
+    pages = list(range(PROMPT // TPB + 1))
+    t0 = time.thread_time_ns()
+    for r in reqs:
+        sched.get_num_new_matched_tokens(r, 0)
+        sched.update_state_after_alloc(r, pages)
+    return (time.thread_time_ns() - t0) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=300, help="folds timed (admissions: a tenth of it)")
+    a = ap.parse_args()
+    rng = random.Random(1)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=base) as root, connector_env(root):
+        llm_args = fake_llm_args(TPB, model="fold-cost")
+        worker = GdsKvConnectorWorker(llm_args)
+        try:
+            worker.register_kv_caches(torch.zeros((1024, 2, 2, 512), dtype=torch.bfloat16))
+            sched = GdsKvConnectorScheduler(llm_args)
+            sched.wait_for_initialization()
+            cold = [_admit(sched, _prompts(rng)) for _ in range(max(a.reps // 10, 3))]
+            warm_reqs = _prompts(rng)
+            for r in warm_reqs:  # every block marked present in the pool's index: the match's indexed path
+                sched.get_num_new_matched_tokens(r, 0)
+                sched._lookup_pools[0]._index.update(dict.fromkeys(sched._reqs.pop(r.request_id).keys,
+                                                                   time.monotonic() + 3600))
+            warm = []
+            for _ in range(max(a.reps // 10, 3)):
+                for r in warm_reqs:
+                    sched._reqs.pop(r.request_id, None)
+                warm.append(_admit(sched, warm_reqs))
+            sched._out_loads.clear()
+
+            sched._save = False  # the fold alone, as in the decode steps that complete no block
+            ids = [r.request_id for r in warm_reqs]
+            first = SchedulerOutput()
+            first.new_requests = [RequestData(request_id=i, new_tokens=list(r.tokens), new_block_ids=[0, 1, 2, 3, 4],
+                                              computed_position=0, num_scheduled_tokens=PROMPT)
+                                  for i, r in zip(ids, warm_reqs)]
+            sched.build_connector_meta(first)
+            folds, pos = [], PROMPT
+            for _ in range(a.reps):
+                out = SchedulerOutput()
+                out.cached_requests = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[],
+                                                   computed_position=pos, num_scheduled_tokens=1) for i in ids]
+                pos += 1
+                t0 = time.thread_time_ns()
+                sched.build_connector_meta(out)
+                folds.append((time.thread_time_ns() - t0) / 1e3)
+        finally:
+            worker.shutdown()
+    for name, xs in (("admission of 64, cold (misses)", cold), ("admission of 64, warm (all indexed)", warm),
+                     ("fold of 64 decode reports", folds)):
+        print(f"{name}: min {min(xs):.1f} us, median {statistics.median(xs):.1f} us "
+              f"({min(xs) / REQUESTS:.2f} us per request at the min), {len(xs)} runs")
+
+
+if __name__ == "__main__":
+    main()
