@@ -1,7 +1,7 @@
 """The scheduler's per-request work with warm caches: what the executor phase's figures would be if
 nothing ran between the callbacks.
 
-    python profiling/fold_cost.py [--reps 300]
+    python profiling/fold_cost.py [--reps 300] [--touch-mib 0,4,32,128]
 
 Times, in executor-thread CPU (``time.thread_time_ns``), with a host-memory pool in a temporary
 directory under /dev/shm (or the system temp directory): ``build_connector_meta`` folding 64 decode
@@ -9,8 +9,11 @@ reports (one new token each, no new pages, saves off as in 31 of 32 decode steps
 admission, ``get_num_new_matched_tokens`` + ``update_state_after_alloc`` for 64 new 133-token
 requests, cold (nothing in the pool: one ``lstat`` per request) and warm (every block indexed).
 The bench's executor phase runs the same callbacks between the reference executor's forward passes
-and measured them 2-3 times slower on the CI VM (``profiling/executor_split.py``); the gap is
-memory the callbacks touch after the forward evicted it, which fewer instructions would not remove.
+and measured them 2-3 times slower on the CI VM (``profiling/executor_split.py``).  ``--touch-mib``
+repeats the fold with that much other memory written between folds, as a forward pass (or the
+rest of TensorRT-LLM's iteration) does: if the fold slows as the cache is evicted, its cost is the
+memory it reads (each request's report, state and token list), which fewer instructions would not
+remove.
 """
 
 from __future__ import annotations
@@ -59,7 +62,12 @@ def _admit(sched: GdsKvConnectorScheduler, reqs: list[SimRequest]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=300, help="folds timed (admissions: a tenth of it)")
+    ap.add_argument("--touch-mib", default="0", help="comma-separated MiB of other memory written between folds; "
+                    "one fold series per value")
     a = ap.parse_args()
+    touch = [int(x) for x in a.touch_mib.split(",")]
+    if any(t < 0 for t in touch):
+        raise SystemExit("fold_cost.py: --touch-mib values must be 0 or more")
     rng = random.Random(1)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=base) as root, connector_env(root):
@@ -89,19 +97,26 @@ def main() -> None:
                                               computed_position=0, num_scheduled_tokens=PROMPT)
                                   for i, r in zip(ids, warm_reqs)]
             sched.build_connector_meta(first)
-            folds, pos = [], PROMPT
-            for _ in range(a.reps):
-                out = SchedulerOutput()
-                out.cached_requests = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[],
-                                                   computed_position=pos, num_scheduled_tokens=1) for i in ids]
-                pos += 1
-                t0 = time.thread_time_ns()
-                sched.build_connector_meta(out)
-                folds.append((time.thread_time_ns() - t0) / 1e3)
+            folds: dict[int, list[float]] = {}
+            pos = PROMPT
+            for mib in touch:
+                other = torch.zeros(mib << 18) if mib else None  # float32: 2**18 per MiB
+                times = folds[mib] = []
+                for _ in range(a.reps):
+                    out = SchedulerOutput()
+                    out.cached_requests = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[],
+                                                       computed_position=pos, num_scheduled_tokens=1) for i in ids]
+                    pos += 1
+                    if other is not None:
+                        other.add_(1.0)
+                    t0 = time.thread_time_ns()
+                    sched.build_connector_meta(out)
+                    times.append((time.thread_time_ns() - t0) / 1e3)
         finally:
             worker.shutdown()
-    for name, xs in (("admission of 64, cold (misses)", cold), ("admission of 64, warm (all indexed)", warm),
-                     ("fold of 64 decode reports", folds)):
+    rows = [("admission of 64, cold (misses)", cold), ("admission of 64, warm (all indexed)", warm)]
+    rows += [(f"fold of 64 decode reports, {mib} MiB written between folds", xs) for mib, xs in folds.items()]
+    for name, xs in rows:
         print(f"{name}: min {min(xs):.1f} us, median {statistics.median(xs):.1f} us "
               f"({min(xs) / REQUESTS:.2f} us per request at the min), {len(xs)} runs")
 
