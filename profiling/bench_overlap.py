@@ -1,5 +1,4 @@
-"""How much saves and loads running beside a GPU compute loop slow that loop.
-"""
+"""How much saves and loads running beside a GPU compute loop slow that loop."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The report: ratios, goal lines, the table and the plot.
-"""
+"""The report: ratios, goal lines, the table and the plot."""
 
 from __future__ import annotations
 
