@@ -65,9 +65,7 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
                 worker.pool.arena.wait_ready(120)
             ex.stats = RunStats()  # start-up (register_kv_caches, engine probe) is not per-iteration cost
             totals = RunStats()
-            acc: dict[str, list] = {}
-            _instrument(ex.sched, _SCHED_CALLBACKS, acc)
-            _instrument(ex.worker, _WORKER_CALLBACKS, acc)
+            acc = ex.callback_times  # per callback, timed by the executor inside the spans the totals sum
             for r, what in enumerate(("cold: saves only", "warm: same prompts again, loads from the pool")):
                 before = RunStats(**vars(ex.stats))
                 wait_before = worker.stats.snapshot().get("sync_load_wait_us", 0)
@@ -106,30 +104,6 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
         finally:
             worker.shutdown()
     return out
-
-
-_SCHED_CALLBACKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                    "request_finished")
-_WORKER_CALLBACKS = ("bind_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-                     "wait_for_save", "get_finished")
-
-
-def _instrument(obj: Any, names: tuple[str, ...], acc: dict[str, list]) -> None:
-    """Per-callback time, for the breakdown only (RunStats gives the totals the goals use)."""
-    for name in names:
-        fn = getattr(obj, name, None)
-        if fn is None:
-            continue
-
-        def wrapped(*a, _fn=fn, _name=name, **k):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                e = acc.setdefault(_name, [0, 0.0])
-                e[0] += 1
-                e[1] += time.perf_counter() - t0
-        setattr(obj, name, wrapped)
 
 
 def _exec_summary(d: dict, what: str) -> dict:

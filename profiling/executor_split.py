@@ -47,51 +47,39 @@ def main() -> None:
                     "--exec-new-tokens)")
     args = ap.parse_args()
     gc.set_threshold(20000, 10, 10)  # TensorRT-LLM's executor setting, as in the bench
-    acc_of: dict[str, dict] = {}
-
     cpu_acc: dict[str, float] = {}  # the executor thread's CPU seconds per callback
     bias = clock_bias()
+    timed = ReferenceExecutor._timed
 
-    def keep_acc(obj, names, acc):
-        """bench_executor._instrument's wall-time account, with the thread's CPU time taken in the same wrapper."""
-        acc_of["acc"] = acc
-        for name in names:
-            fn = getattr(obj, name, None)
-            if fn is None:
-                continue
+    def timed_with_cpu(self, fn, *args, layer_hook: bool = False):
+        """The executor's own timer (wall time per callback in ``callback_times``), with the thread's
+        CPU time read around it, outside the span it charges."""
+        c0 = time.thread_time()
+        try:
+            return timed(self, fn, *args, layer_hook=layer_hook)
+        finally:
+            cpu_acc[fn.__name__] = cpu_acc.get(fn.__name__, 0.0) + time.thread_time() - c0 - bias
 
-            def wrapped(*a, _fn=fn, _name=name, **k):
-                c0, t0 = time.thread_time(), time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    t1, c1 = time.perf_counter(), time.thread_time()
-                    e = acc.setdefault(_name, [0, 0.0])
-                    e[0] += 1
-                    e[1] += t1 - t0
-                    cpu_acc[_name] = cpu_acc.get(_name, 0.0) + c1 - c0 - bias
-            setattr(obj, name, wrapped)
-
-    bench_executor._instrument = keep_acc
     per_iter: list[dict[str, float]] = []
     step = ReferenceExecutor.step
 
     cpu_iter: list[dict[str, float]] = []
 
     def timed_step(self):
-        acc = acc_of.get("acc", {})
+        acc = self.callback_times
         before = {k: v[1] for k, v in acc.items()}
         cpu_before = dict(cpu_acc)
         step(self)
         per_iter.append({k: v[1] - before.get(k, 0.0) for k, v in acc.items()})
         cpu_iter.append({k: v - cpu_before.get(k, 0.0) for k, v in cpu_acc.items()})
 
+    ReferenceExecutor._timed = timed_with_cpu
     ReferenceExecutor.step = timed_step
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="gdskv-split-", dir=base)
     try:
         out = bench_executor.executor_cost(root, torch.device(args.device), KvikioDefaults(), Tracer(None, False),
-                                  requests=args.requests, layers=args.layers, new_tokens=args.new_tokens)
+                                           requests=args.requests, layers=args.layers, new_tokens=args.new_tokens)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in out["rounds"]:

@@ -246,3 +246,21 @@ def test_block_views_are_each_blocks_bytes_made_once():
     for bad in (-1, 6):
         with pytest.raises(IndexError, match="outside the pool's 6 blocks"):
             kv.block_views([1, bad])
+
+
+def test_executor_splits_its_callback_time_by_callback(pool_env):
+    """The reference executor's per-callback account covers the same spans as its totals (the bench's
+    breakdown reads it instead of wrapping the callbacks, whose wrapper time would land in the totals)."""
+    ex = make_executor()
+    ex.stats = type(ex.stats)()
+    ex.callback_times.clear()  # start-up callbacks are not per-iteration cost
+    st = serve(ex, PROMPTS[:2], max_new_tokens=4)
+    times = ex.callback_times
+    hooks = ("save_kv_layer", "wait_for_layer_load")
+    assert sum(c for name, (c, _) in times.items() if name in hooks) == st.layer_hook_calls > 0
+    assert sum(s for name, (_, s) in times.items() if name in hooks) == pytest.approx(st.layer_hook_s, rel=1e-9)
+    assert sum(s for name, (_, s) in times.items() if name not in hooks) == pytest.approx(st.callback_s, rel=1e-9)
+    assert times["get_num_new_matched_tokens"][0] == times["update_state_after_alloc"][0] == 2
+    assert times["request_finished"][0] == 2
+    assert times["get_finished"][0] == st.iterations
+    ex.worker.shutdown()

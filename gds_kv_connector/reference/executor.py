@@ -113,6 +113,9 @@ class ReferenceExecutor:
         self.reqs: dict[int, SimRequest] = {}
         self.waiting: deque[SimRequest] = deque()
         self.stats = RunStats()
+        # callback name -> [calls, seconds]: the same spans as the stats' totals, split by callback, so a
+        # breakdown needs no wrapper of its own (a wrapper's time would land inside these spans)
+        self.callback_times: dict[str, list] = {}
         self._new_saving: list[int] = []
         self._new_loading: list[int] = []
         self._pending: dict[int, tuple[str, float]] = {}  # id -> (kind, deadline)
@@ -332,3 +335,8 @@ class ReferenceExecutor:
                 self.stats.layer_hook_calls += 1
             else:
                 self.stats.callback_s += dt
+            e = self.callback_times.get(fn.__name__)
+            if e is None:
+                e = self.callback_times[fn.__name__] = [0, 0.0]
+            e[0] += 1
+            e[1] += dt
