@@ -40,14 +40,13 @@ import time
 from typing import Any, Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-try:  # a source checkout without `pip install -e .`
-    import gds_kv_connector  # noqa: F401
-except ImportError:
-    sys.path.insert(0, _REPO)
-
 if _HERE not in sys.path:  # the bench's own modules beside it (gds-kv bench loads this file by path)
     sys.path.insert(0, _HERE)
+
+# first of the bench's modules: it puts the source checkout on the path when the package is not installed
+from bench_common import (  # noqa: E402
+    Budget, DEFAULT_SIZES, KvikioDefaults, MiB, QUICK_SIZES, Tracer, opt_version, rand_bytes, fmt_size,
+    git_commit)
 
 import torch  # noqa: E402
 
@@ -55,9 +54,6 @@ from gds_kv_connector.arena import HOST_FS_TYPES  # noqa: E402
 from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY, file_size_for  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
-from bench_common import (  # noqa: E402
-    Budget, DEFAULT_SIZES, KvikioDefaults, MiB, QUICK_SIZES, Tracer, opt_version, rand_bytes, fmt_size,
-    git_commit)
 from bench_ceilings import pinned_copy_ceiling, raw_beside, raw_phases, raw_storage_ceiling  # noqa: E402
 from bench_connector import ConnectorRig, median_run, connector_phase  # noqa: E402
 from bench_baselines import baseline_naive_kvikio, baseline_trtllm  # noqa: E402

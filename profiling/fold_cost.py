@@ -1,5 +1,6 @@
-"""The scheduler's per-request work with warm caches: what the executor phase's figures would be if
-nothing ran between the callbacks.
+"""The scheduler's per-request work run back to back, with and without other memory written between
+folds: how much of the executor phase's figures is the callbacks' instructions and how much the memory
+they touch.
 
     python profiling/fold_cost.py [--reps 300] [--touch-mib 0,4,32,128]
 
