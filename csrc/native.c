@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define KEY 32
@@ -348,6 +349,52 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(hit);
 }
 
+/* The 256 key directories of a pool (pool._key_dirs) as UTF-8, kept alive by the str objects in
+ * the tuple; *longest is the longest one's length. */
+static int key_dirs(PyObject *dirs, const char **dir_of, size_t *dir_len, size_t *longest) {
+    if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256) {
+        PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str");
+        return -1;
+    }
+    *longest = 0;
+    for (int b = 0; b < 256; b++) {
+        Py_ssize_t len;
+        dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
+        if (!dir_of[b]) return -1;
+        dir_len[b] = (size_t)len;
+        if (dir_len[b] > *longest) *longest = dir_len[b];
+    }
+    return 0;
+}
+
+/* keys[start:start+n] (a list of 32-byte bytes) as pointers into the bytes objects. */
+static int key_ptrs(PyObject *keys, Py_ssize_t start, Py_ssize_t n, const unsigned char **key_at) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GetItem(keys, start + i);
+        if (!PyBytes_Check(k) || PyBytes_Size(k) != KEY) {
+            PyErr_SetString(PyExc_TypeError, "keys must be 32-byte bytes");
+            return -1;
+        }
+        key_at[i] = (const unsigned char *)PyBytes_AsString(k);
+    }
+    return 0;
+}
+
+/* "<dir of k[0]>/<64 hex digits of k><suffix>" into path (pool.path_for, fileops.key_name). */
+static void key_path(char *path, const char **dir_of, const size_t *dir_len, const unsigned char *k,
+                     const char *suffix, size_t suffix_len) {
+    static const char HEX[] = "0123456789abcdef";
+    char *p = path;
+    memcpy(p, dir_of[k[0]], dir_len[k[0]]);
+    p += dir_len[k[0]];
+    *p++ = '/';
+    for (int j = 0; j < KEY; j++) {
+        *p++ = HEX[k[j] >> 4];
+        *p++ = HEX[k[j] & 15];
+    }
+    memcpy(p, suffix, suffix_len + 1);
+}
+
 /* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
  *
  * Publishes one arena reference file under every key of a save batch (pool.publish_refs), at
@@ -355,23 +402,16 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
  * on the H200 host and more in a sandboxed kernel, and the loop holds no GIL; the names are
  * formatted here too, so the transfer thread spends no GIL-held time per key on them. */
 static PyObject *link_keys(PyObject *self, PyObject *args) {
-    static const char HEX[] = "0123456789abcdef";
     const char *src, *suffix;
     PyObject *dirs, *keys;
     if (!PyArg_ParseTuple(args, "sOOs", &src, &dirs, &keys, &suffix)) return NULL;
-    if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256 || !PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str, keys a list of bytes");
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list of bytes");
         return NULL;
     }
     const char *dir_of[256];
-    size_t dir_len[256], longest = 0, suffix_len = strlen(suffix);
-    for (int b = 0; b < 256; b++) { /* UTF-8 kept alive by the str objects in dirs */
-        Py_ssize_t len;
-        dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
-        if (!dir_of[b]) return NULL;
-        dir_len[b] = (size_t)len;
-        if (dir_len[b] > longest) longest = dir_len[b];
-    }
+    size_t dir_len[256], longest, suffix_len = strlen(suffix);
+    if (key_dirs(dirs, dir_of, dir_len, &longest) < 0) return NULL;
     Py_ssize_t n = PyList_Size(keys);
     const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
     int *errs = malloc((size_t)(n ? n : 1) * sizeof *errs);
@@ -381,28 +421,12 @@ static PyObject *link_keys(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GetItem(keys, i);
-        if (!PyBytes_Check(k) || PyBytes_Size(k) != KEY) {
-            PyErr_SetString(PyExc_TypeError, "keys must be 32-byte bytes");
-            goto done;
-        }
-        key_at[i] = (const unsigned char *)PyBytes_AsString(k);
-    }
+    if (key_ptrs(keys, 0, n, key_at) < 0) goto done;
     Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
     Py_INCREF(keys);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned char *k = key_at[i];
-        char *p = path;
-        memcpy(p, dir_of[k[0]], dir_len[k[0]]);
-        p += dir_len[k[0]];
-        *p++ = '/';
-        for (int j = 0; j < KEY; j++) {
-            *p++ = HEX[k[j] >> 4];
-            *p++ = HEX[k[j] & 15];
-        }
-        memcpy(p, suffix, suffix_len + 1);
+        key_path(path, dir_of, dir_len, key_at[i], suffix, suffix_len);
         errs[i] = linkat(AT_FDCWD, src, AT_FDCWD, path, 0) ? errno : 0;
     }
     Py_END_ALLOW_THREADS
@@ -421,8 +445,77 @@ done:
     return out;
 }
 
+/* present_run(dirs, keys, start, suffix) -> list of sizes
+ *
+ * lstat(2) of "<dirs[key[0]]>/<64 hex digits><suffix>" for keys[start], keys[start+1], ... up to
+ * the first that is missing or not a regular file: the sizes of the regular files before it
+ * (pool.count_present's files; the caller checks the sizes).  Every error, ENOENT or another,
+ * ends the run, as a failed stat makes BlockPool.contains say False.  It runs on the executor
+ * thread when a prompt is matched, nearly always for one key (the first block not yet saved), so
+ * the GIL is kept for the first STAT_HOLD_GIL stats: a release there cost the executor 17-20 us
+ * per request on the CI VM against 2-3 us held (profiling/results/vm-gil-stat/), the same hand-off
+ * that RELEASE_MIN_BLOCKS avoids for chain_keys.  Longer runs (a prompt another process saved and
+ * this one has not indexed) release it for the rest of the loop, so a slow filesystem holds up
+ * only this thread. */
+#define STAT_HOLD_GIL 8
+
+static PyObject *present_run(PyObject *self, PyObject *args) {
+    const char *suffix;
+    PyObject *dirs, *keys;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "OOns", &dirs, &keys, &start, &suffix)) return NULL;
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list of bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(keys);
+    if (start < 0 || start > n) {
+        PyErr_SetString(PyExc_ValueError, "start is outside keys");
+        return NULL;
+    }
+    n -= start;
+    const char *dir_of[256];
+    size_t dir_len[256], longest, suffix_len = strlen(suffix);
+    if (key_dirs(dirs, dir_of, dir_len, &longest) < 0) return NULL;
+    const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
+    long long *sizes = malloc((size_t)(n ? n : 1) * sizeof *sizes);
+    char *path = malloc(longest + 2 + 2 * KEY + suffix_len);
+    PyObject *out = NULL;
+    if (!key_at || !sizes || !path) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (key_ptrs(keys, start, n, key_at) < 0) goto done;
+    Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
+    Py_INCREF(keys);
+    Py_ssize_t found = 0;
+    PyThreadState *saved = NULL;
+    for (; found < n; found++) {
+        if (found == STAT_HOLD_GIL) saved = PyEval_SaveThread();
+        struct stat st;
+        key_path(path, dir_of, dir_len, key_at[found], suffix, suffix_len);
+        if (lstat(path, &st) || !S_ISREG(st.st_mode)) break;
+        sizes[found] = (long long)st.st_size;
+    }
+    take_gil_back(saved);
+    out = PyList_New(found);
+    for (Py_ssize_t i = 0; out && i < found; i++) {
+        PyObject *v = PyLong_FromLongLong(sizes[i]);
+        if (!v) Py_CLEAR(out);
+        else PyList_SetItem(out, i, v);
+    }
+    Py_DECREF(keys);
+    Py_DECREF(dirs);
+done:
+    free(key_at);
+    free(sizes);
+    free(path);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"link_keys", link_keys, METH_VARARGS, "link_keys(src, dirs, keys, suffix) -> list[int]"},
+    {"present_run", present_run, METH_VARARGS, "present_run(dirs, keys, start, suffix) -> list[int]"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
     {"write_headers", write_headers, METH_VARARGS,
      "write_headers(addrs, fingerprint, keys, parents, sums, payload_len, algo, tokens_per_block, created_ns)"},

@@ -7,6 +7,7 @@ can substitute stalls, EIO, ENOSPC and short transfers without patching ``os``.
 from __future__ import annotations
 
 import os
+import stat
 
 from . import native
 
@@ -62,6 +63,28 @@ class FileOps:
                 out.append(None)
             except OSError as exc:
                 out.append(exc)
+        return out
+
+    def present_run(self, dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str) -> list[int]:
+        """Sizes of the regular files named for ``keys[start:]`` (:func:`key_name`), up to the first
+        that is missing, not a regular file or fails to stat (links never followed).
+
+        One C loop where the extension is built, which keeps the GIL for the first few stats (see
+        ``present_run`` in csrc/native.c: the executor thread calls this when it matches a prompt);
+        a subclass that overrides :meth:`stat` (fault injection) sees every call."""
+        if type(self).stat is FileOps.stat:
+            sizes = native.present_run(dirs, keys, start, suffix)
+            if sizes is not None:
+                return sizes
+        out: list[int] = []
+        for k in keys[start:]:
+            try:
+                st = self.stat(key_name(dirs, k, suffix))
+            except OSError:
+                break
+            if not stat.S_ISREG(st.st_mode):
+                break
+            out.append(st.st_size)
         return out
 
     def rename(self, src: str, dst: str) -> None:

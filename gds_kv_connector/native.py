@@ -43,6 +43,15 @@ def link_keys(src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -
     return _lib.link_keys(src, dirs, keys, suffix)
 
 
+def present_run(dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str) -> list[int] | None:
+    """lstat(2) of ``f"{dirs[key[0]]}/{key.hex()}{suffix}"`` for ``keys[start:]`` up to the first
+    that is missing or not a regular file: the sizes before it; None where the extension is missing
+    (FileOps.present_run then loops)."""
+    if _lib is None:
+        return None
+    return _lib.present_run(dirs, keys, start, suffix)
+
+
 def clear_headers(addrs: Sequence[int]) -> None:
     """Zero each slot's magic, so no reader accepts it while its payload is rewritten."""
     if _lib is not None:

@@ -143,20 +143,27 @@ class BlockPool:
         """How many consecutive keys from ``start`` are in the pool.
 
         A 128k-token prompt asks this of 4096 keys on the executor thread, so keys still in the
-        index are counted in one tight loop; the first one that is not falls back to ``contains``.
+        index are counted in one tight loop; from the first that is not, the files are stat'ed in
+        one call (``FileOps.present_run``) and checked as :meth:`contains` checks one.
         """
         now = time.monotonic()
-        index_get = self._index.get
+        index = self._index
         n = start
         total = len(keys)
         while n < total:
-            expires = index_get(keys[n])
+            expires = index.get(keys[n])
             if expires is not None and expires > now:
                 n += 1
-            elif self.contains(keys[n]):
+                continue
+            until = now + self.index_ttl_s
+            for size in self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX):
+                if size != self.file_size and not (self.refs and is_ref_size(size)):
+                    break
+                index[keys[n]] = until
                 n += 1
-            else:
-                break
+            if n < total:  # keys[n] is missing, or not a block file of this pool
+                index.pop(keys[n], None)
+            break
         return n - start
 
     def forget(self, key: bytes) -> None:

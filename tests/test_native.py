@@ -176,3 +176,52 @@ def test_file_ops_link_keys_goes_through_an_overridden_link(tmp_path):
     assert errs[0] is None and isinstance(errs[1], FileExistsError)
     errs = FileOps().link_keys(str(src), dirs, [other, key], ".blk")
     assert errs[0] is None and isinstance(errs[1], FileExistsError) and errs[1].filename2 == name
+
+
+def test_present_run_stops_at_the_first_key_without_a_regular_file(native_impl, tmp_path):
+    dirs = _key_dirs(tmp_path)  # keys under 0x00, 0x7f and 0xff, the directories that exist
+    rng = random.Random(7)
+    keys = [bytes([rng.choice((0x00, 0x7f, 0xff))]) + rng.randbytes(31) for _ in range(20)]
+    for i, k in enumerate(keys[:12]):  # 12 files: past the 8 stats the C loop makes holding the GIL
+        with open(f"{dirs[k[0]]}/{k.hex()}.blk", "wb") as f:
+            f.write(b"x" * (i + 1))
+    ops = FileOps()
+    assert ops.present_run(dirs, keys, 0, ".blk") == list(range(1, 13))
+    assert ops.present_run(dirs, keys, 10, ".blk") == [11, 12]
+    assert ops.present_run(dirs, keys, 12, ".blk") == []
+    assert ops.present_run(dirs, keys, 20, ".blk") == []
+    os.mkdir(f"{dirs[keys[3][0]]}/{keys[13].hex()}.other")  # not a file of this suffix: ignored
+    os.remove(f"{dirs[keys[5][0]]}/{keys[5].hex()}.blk")
+    os.mkdir(f"{dirs[keys[5][0]]}/{keys[5].hex()}.blk")  # a directory under a key's name ends the run
+    assert ops.present_run(dirs, keys, 0, ".blk") == [1, 2, 3, 4, 5]
+    os.symlink(f"{dirs[keys[0][0]]}/{keys[0].hex()}.blk", f"{dirs[keys[12][0]]}/{keys[12].hex()}.blk")
+    assert ops.present_run(dirs, keys, 6, ".blk") == [7, 8, 9, 10, 11, 12]  # a link is never followed
+
+
+def test_present_run_rejects_bad_arguments(tmp_path):
+    if not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    dirs = _key_dirs(tmp_path)
+    with pytest.raises(TypeError):
+        native.present_run(dirs[:255], [bytes(32)], 0, ".blk")
+    with pytest.raises(TypeError):
+        native.present_run(dirs, [bytes(32), bytes(31)], 0, ".blk")
+    with pytest.raises(ValueError):
+        native.present_run(dirs, [bytes(32)], 2, ".blk")
+
+
+def test_file_ops_present_run_goes_through_an_overridden_stat(tmp_path):
+    seen = []
+
+    class Counting(FileOps):
+        def stat(self, path):
+            seen.append(path)
+            return super().stat(path)
+
+    dirs = _key_dirs(tmp_path)
+    key, missing = bytes([0x7f]) * 32, bytes(32)
+    name = f"{dirs[0x7f]}/{key.hex()}.blk"
+    with open(name, "wb") as f:
+        f.write(b"abc")
+    assert Counting().present_run(dirs, [key, missing, key], 0, ".blk") == [3]
+    assert seen == [name, f"{dirs[0]}/{missing.hex()}.blk"]
