@@ -464,8 +464,8 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
     PyObject *dirs, *keys;
     Py_ssize_t start;
     if (!PyArg_ParseTuple(args, "OOns", &dirs, &keys, &start, &suffix)) return NULL;
-    if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "keys must be a list of bytes");
+    if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256 || !PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str, keys a list of bytes");
         return NULL;
     }
     Py_ssize_t n = PyList_Size(keys);
@@ -474,18 +474,31 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
         return NULL;
     }
     n -= start;
-    const char *dir_of[256];
-    size_t dir_len[256], longest, suffix_len = strlen(suffix);
-    if (key_dirs(dirs, dir_of, dir_len, &longest) < 0) return NULL;
+    /* Only the directories of the keys stat'ed are resolved (the usual call stats one key). */
+    const char *dir_of[256] = {NULL};
+    size_t dir_len[256], longest = 0, suffix_len = strlen(suffix);
     const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
     long long *sizes = malloc((size_t)(n ? n : 1) * sizeof *sizes);
-    char *path = malloc(longest + 2 + 2 * KEY + suffix_len);
+    char *path = NULL;
     PyObject *out = NULL;
-    if (!key_at || !sizes || !path) {
+    if (!key_at || !sizes) {
         PyErr_NoMemory();
         goto done;
     }
     if (key_ptrs(keys, start, n, key_at) < 0) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char b = key_at[i][0];
+        if (dir_of[b]) continue;
+        Py_ssize_t len;
+        dir_of[b] = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(dirs, b), &len);
+        if (!dir_of[b]) goto done;
+        dir_len[b] = (size_t)len;
+        if (dir_len[b] > longest) longest = dir_len[b];
+    }
+    if (!(path = malloc(longest + 2 + 2 * KEY + suffix_len))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
     Py_INCREF(keys);
     Py_ssize_t found = 0;

@@ -126,12 +126,15 @@ class BlockPool:
         except OSError:
             self._index.pop(key, None)
             return False
-        size_ok = st.st_size == self.file_size or (self.refs and is_ref_size(st.st_size))
-        if not stat.S_ISREG(st.st_mode) or not size_ok:
+        if not stat.S_ISREG(st.st_mode) or not self._size_ok(st.st_size):
             self._index.pop(key, None)
             return False
         self._index[key] = now + self.index_ttl_s
         return True
+
+    def _size_ok(self, size: int) -> bool:
+        """A block file's size, or an arena reference file's where this pool publishes those."""
+        return size == self.file_size or (self.refs and is_ref_size(size))
 
     def not_indexed(self, keys: list[bytes]) -> list[int]:
         """Positions of the keys this process did not see published within index_ttl_s (no system
@@ -156,11 +159,16 @@ class BlockPool:
                 n += 1
                 continue
             until = now + self.index_ttl_s
-            for size in self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX):
-                if size != self.file_size and not (self.refs and is_ref_size(size)):
-                    break
-                index[keys[n]] = until
-                n += 1
+            sizes = self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX)
+            if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
+                index.update(dict.fromkeys(keys[n:n + len(sizes)], until))
+                n += len(sizes)
+            else:
+                for size in sizes:
+                    if not self._size_ok(size):
+                        break
+                    index[keys[n]] = until
+                    n += 1
             if n < total:  # keys[n] is missing, or not a block file of this pool
                 index.pop(keys[n], None)
             break

@@ -120,6 +120,11 @@ def evaluate_goals(res: dict) -> list[dict]:
         add("128k-token prompt match (warm index)", f"<= {GOALS['match_128k_ms']:g} ms",
             f"median {m['warm_median_ms']:.2f} ms (min {m['warm_min_ms']:.2f}, first {m['first_call_ms']:.1f})",
             m["warm_median_ms"] <= GOALS["match_128k_ms"])
+    if m.get("unindexed_median_ms") is not None:
+        add("128k-token prompt match (unindexed: saved elsewhere)", f"<= {GOALS['match_128k_ms']:g} ms",
+            f"median {m['unindexed_median_ms']:.2f} ms (min {m['unindexed_min_ms']:.2f})",
+            m["unindexed_median_ms"] <= GOALS["match_128k_ms"],
+            "every block file stat'ed, as a process that did not save the prompt finds it")
     else:
         add("128k-token prompt match", "<= 5 ms", "not measured", None)
     ov = res.get("overlap") or {}
@@ -244,6 +249,9 @@ def render_table(res: dict) -> str:
         L.append(f"Match of a fully cached {m['prompt_tokens']}-token prompt ({m['blocks']} blocks): "
                  f"median {m['warm_median_ms']:.2f} ms warm (min {m['warm_min_ms']:.2f}, max {m['warm_max_ms']:.2f}, "
                  f"{m['warm_calls']} calls); first call {m['first_call_ms']:.1f} ms")
+        if m.get("unindexed_median_ms") is not None:
+            L.append(f"  unindexed (every block file stat'ed, as a process that did not save it): median "
+                     f"{m['unindexed_median_ms']:.2f} ms (min {m['unindexed_min_ms']:.2f}, {m['unindexed_calls']} calls)")
         c = m.get("components") or {}
         if c:
             L.append(f"  parts: key chain {c['key_chain_ms']:.2f} ms ({'C extension' if c['native'] else 'Python'}; "

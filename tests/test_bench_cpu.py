@@ -124,6 +124,7 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     m = res["match"]
     assert m["blocks"] == 4096 and m["prompt_tokens"] > 128 * 1024
     assert m["warm_median_ms"] > 0 and m["first_call_ms"] > 0
+    assert m["unindexed_calls"] >= 3 and m["unindexed_median_ms"] >= m["unindexed_min_ms"] > 0
     assert res["overlap"]["skipped"]
 
 

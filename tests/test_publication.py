@@ -69,3 +69,20 @@ def test_not_indexed_lists_keys_absent_or_expired_in_order(tmp_path):
     pool._index.update({keys[1]: now + 60, keys[2]: now - 1, keys[4]: now + 60})  # 2 has expired
     assert pool.not_indexed(keys) == [0, 2, 3]
     assert pool.not_indexed([]) == []
+
+
+def test_count_present_stats_what_another_process_saved(native_impl, tmp_path):
+    """A pool object that saw nothing published (another process's view) counts saved blocks by
+    their files, up to the first that is missing or of the wrong size, and indexes what it found."""
+    writer, eng = BlockPool((str(tmp_path),), FP, NBYTES, 16), PosixEngine(2)
+    keys = [os.urandom(32) for _ in range(12)]
+    views = [torch.zeros(NBYTES, dtype=torch.uint8) for _ in keys]
+    assert save_blocks(writer, eng, keys[:10], [b"\0" * 32] + keys[:9], views[:10]).published == 10
+    reader = BlockPool((str(tmp_path),), FP, NBYTES, 16)
+    assert reader.count_present(keys) == 10 and reader.count_present(keys, 4) == 6
+    assert reader.not_indexed(keys) == [10, 11]  # the ten found are indexed
+    os.truncate(reader.path_for(keys[6]), 100)  # not a block file of this pool any more
+    fresh = BlockPool((str(tmp_path),), FP, NBYTES, 16)
+    assert fresh.count_present(keys) == 6 and fresh.not_indexed(keys[:7]) == [6]
+    assert reader.count_present(keys) == 10  # the reader trusts its index within index_ttl_s
+    assert fresh.count_present(keys, 7) == 3 and fresh.count_present(keys, 10) == 0
