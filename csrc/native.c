@@ -452,11 +452,12 @@ done:
  * (pool.count_present's files; the caller checks the sizes).  Every error, ENOENT or another,
  * ends the run, as a failed stat makes BlockPool.contains say False.  It runs on the executor
  * thread when a prompt is matched, nearly always for one key (the first block not yet saved), so
- * the GIL is kept for the first STAT_HOLD_GIL stats: a release there cost the executor 17-20 us
- * per request on the CI VM against 2-3 us held (profiling/results/vm-gil-stat/), the same hand-off
- * that RELEASE_MIN_BLOCKS avoids for chain_keys.  Longer runs (a prompt another process saved and
- * this one has not indexed) release it for the rest of the loop, so a slow filesystem holds up
- * only this thread. */
+ * the GIL is kept for the first STAT_HOLD_GIL stats: on the CI VM the first GIL-releasing call after
+ * a stretch of the executor's Python cost 17-20 us against 2-3 us for the same lstat with the GIL
+ * held, with no other thread running (profiling/stat_gil_probe.py, results/vm-f515ce3/); on the
+ * H200 host both took 1-5 us (results/h200-f515ce3/).  It is the hand-off RELEASE_MIN_BLOCKS avoids
+ * for chain_keys.  Longer runs (a prompt another process saved and this one has not indexed)
+ * release it for the rest of the loop, so a slow filesystem holds up only this thread. */
 #define STAT_HOLD_GIL 8
 
 static PyObject *present_run(PyObject *self, PyObject *args) {
