@@ -151,10 +151,11 @@ class BlockPool:
         """
         now = time.monotonic()
         index = self._index
+        index_get = index.get
         n = start
         total = len(keys)
         while n < total:
-            expires = index.get(keys[n])
+            expires = index_get(keys[n])
             if expires is not None and expires > now:
                 n += 1
                 continue
