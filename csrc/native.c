@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -457,8 +458,67 @@ done:
  * held, with no other thread running (profiling/stat_gil_probe.py, results/vm-f515ce3/); on the
  * H200 host both took 1-5 us (results/h200-f515ce3/).  It is the hand-off RELEASE_MIN_BLOCKS avoids
  * for chain_keys.  Longer runs (a prompt another process saved and this one has not indexed)
- * release it for the rest of the loop, so a slow filesystem holds up only this thread. */
+ * release it for the rest, which is split over up to STAT_THREADS threads of STAT_SPAN_MIN keys or
+ * more: a stat is about 1 us of path walk on the H200 host, so a 128k-token prompt's 4096 files took
+ * 3.8-4.4 ms on one thread (results/h200-7c802c7/count-present-probe.log). */
 #define STAT_HOLD_GIL 8
+#define STAT_THREADS 8
+#define STAT_SPAN_MIN 256
+
+/* One thread's share of a long present_run: stats keys [from, to) in order, stopping at the first
+ * that is missing or not a regular file, whose index it leaves in fail (to where none is). */
+struct stat_span {
+    const unsigned char **key_at;
+    const char **dir_of;
+    const size_t *dir_len;
+    const char *suffix;
+    size_t suffix_len;
+    char *path;
+    long long *sizes;
+    Py_ssize_t from, to, fail;
+};
+
+static void *stat_span_run(void *arg) {
+    struct stat_span *sp = arg;
+    sp->fail = sp->to;
+    for (Py_ssize_t i = sp->from; i < sp->to; i++) {
+        struct stat st;
+        key_path(sp->path, sp->dir_of, sp->dir_len, sp->key_at[i], sp->suffix, sp->suffix_len);
+        if (lstat(sp->path, &st) || !S_ISREG(st.st_mode)) {
+            sp->fail = i;
+            break;
+        }
+        sp->sizes[i] = (long long)st.st_size;
+    }
+    return NULL;
+}
+
+/* Stats keys [from, n) on up to STAT_THREADS threads, each a contiguous span of at least
+ * STAT_SPAN_MIN keys (this thread takes the first): the index of the first key that failed, n where
+ * none did.  Spans after a failure are wasted work, never a wrong answer. */
+static Py_ssize_t stat_spans(const unsigned char **key_at, const char **dir_of, const size_t *dir_len,
+                             const char *suffix, size_t suffix_len, char *paths, size_t path_cap,
+                             long long *sizes, Py_ssize_t from, Py_ssize_t n) {
+    struct stat_span sp[STAT_THREADS];
+    pthread_t tid[STAT_THREADS];
+    int started[STAT_THREADS] = {0};
+    Py_ssize_t left = n - from, k = left / STAT_SPAN_MIN;
+    if (k > STAT_THREADS) k = STAT_THREADS;
+    if (k < 1) k = 1;
+    for (Py_ssize_t t = 0; t < k; t++) {
+        sp[t] = (struct stat_span){key_at, dir_of, dir_len, suffix, suffix_len, paths + t * path_cap, sizes,
+                                   from + left * t / k, from + left * (t + 1) / k, 0};
+    }
+    for (Py_ssize_t t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, stat_span_run, &sp[t]) == 0;
+    stat_span_run(&sp[0]);
+    Py_ssize_t first_fail = n;
+    for (Py_ssize_t t = 0; t < k; t++) {
+        if (t && started[t]) pthread_join(tid[t], NULL);
+        else if (t) stat_span_run(&sp[t]); /* no thread could be started: this one stats the span */
+        if (sp[t].fail < sp[t].to && sp[t].fail < first_fail) first_fail = sp[t].fail;
+    }
+    return first_fail;
+}
 
 static PyObject *present_run(PyObject *self, PyObject *args) {
     const char *suffix;
@@ -496,22 +556,25 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
         dir_len[b] = (size_t)len;
         if (dir_len[b] > longest) longest = dir_len[b];
     }
-    if (!(path = malloc(longest + 2 + 2 * KEY + suffix_len))) {
+    size_t path_cap = longest + 2 + 2 * KEY + suffix_len;
+    if (!(path = malloc(path_cap * STAT_THREADS))) {
         PyErr_NoMemory();
         goto done;
     }
     Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
     Py_INCREF(keys);
     Py_ssize_t found = 0;
-    PyThreadState *saved = NULL;
-    for (; found < n; found++) {
-        if (found == STAT_HOLD_GIL) saved = PyEval_SaveThread();
+    for (; found < n && found < STAT_HOLD_GIL; found++) {
         struct stat st;
         key_path(path, dir_of, dir_len, key_at[found], suffix, suffix_len);
         if (lstat(path, &st) || !S_ISREG(st.st_mode)) break;
         sizes[found] = (long long)st.st_size;
     }
-    take_gil_back(saved);
+    if (found == STAT_HOLD_GIL && found < n) { /* a long run: the rest on threads, the GIL released */
+        Py_BEGIN_ALLOW_THREADS
+        found = stat_spans(key_at, dir_of, dir_len, suffix, suffix_len, path, path_cap, sizes, found, n);
+        Py_END_ALLOW_THREADS
+    }
     out = PyList_New(found);
     for (Py_ssize_t i = 0; out && i < found; i++) {
         PyObject *v = PyLong_FromLongLong(sizes[i]);

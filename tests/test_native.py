@@ -225,3 +225,22 @@ def test_file_ops_present_run_goes_through_an_overridden_stat(tmp_path):
         f.write(b"abc")
     assert Counting().present_run(dirs, [key, missing, key], 0, ".blk") == [3]
     assert seen == [name, f"{dirs[0]}/{missing.hex()}.blk"]
+
+
+def test_present_run_splits_a_long_run_and_stops_at_its_first_gap(native_impl, tmp_path):
+    """Past its first 8 stats the C loop splits the rest into spans of 256 keys or more on threads;
+    the answer is still the prefix up to the first key without a regular file, wherever it falls."""
+    dirs = _key_dirs(tmp_path)
+    rng = random.Random(11)
+    keys = [bytes([rng.choice((0x00, 0x7f, 0xff))]) + rng.randbytes(31) for _ in range(1300)]
+    names = [f"{dirs[k[0]]}/{k.hex()}.blk" for k in keys]
+    for i, name in enumerate(names):
+        with open(name, "wb") as f:
+            f.truncate(i % 7)
+    ops = FileOps()
+    assert ops.present_run(dirs, keys, 0, ".blk") == [i % 7 for i in range(1300)]
+    for gap in (1299, 1000, 520, 9, 8):  # in the last span, a middle one, the first span, its first key
+        os.remove(names[gap])
+        os.mkdir(names[gap])  # a directory under the key's name: not a block file
+        assert ops.present_run(dirs, keys, 0, ".blk") == [i % 7 for i in range(gap)]
+    assert ops.present_run(dirs, keys, 10, ".blk") == [i % 7 for i in range(10, 520)]
