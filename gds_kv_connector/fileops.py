@@ -69,15 +69,19 @@ class FileOps:
         """Sizes of the regular files named for ``keys[start:]`` (:func:`key_name`), up to the first
         that is missing, not a regular file or fails to stat (links never followed).
 
-        One C loop where the extension is built, which keeps the GIL for the first few stats (see
-        ``present_run`` in csrc/native.c: the executor thread calls this when it matches a prompt);
-        a subclass that overrides :meth:`stat` (fault injection) sees every call."""
+        One C call where the extension is built: it keeps the GIL for the first few stats and splits
+        a long run over threads (see ``present_run`` in csrc/native.c: the executor thread calls this
+        when it matches a prompt); a subclass that overrides :meth:`stat` (fault injection) sees
+        every call."""
         if type(self).stat is FileOps.stat:
             sizes = native.present_run(dirs, keys, start, suffix)
             if sizes is not None:
                 return sizes
+        run = keys[start:]
+        if any(type(k) is not bytes or len(k) != 32 for k in run):  # as the C loop: names only from 32-byte keys
+            raise TypeError("keys must be 32-byte bytes")
         out: list[int] = []
-        for k in keys[start:]:
+        for k in run:
             try:
                 st = self.stat(key_name(dirs, k, suffix))
             except OSError:

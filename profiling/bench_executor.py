@@ -162,40 +162,37 @@ def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefa
                     if o.failed:
                         raise RuntimeError(f"building the match pool: {len(o.failed)} saves failed ({o.failed[0][1]})")
             out["build_s"] = round(time.perf_counter() - t0, 3)
-            times: list[float] = []
             rid = 1_000_000
-            deadline = time.monotonic() + time_cap_s
-            with tracer.rf("bench/match/calls"):
-                while len(times) < 3 or (len(times) < 30 and time.monotonic() < deadline):
-                    req = SimRequest(rid, prompt)
-                    req.tokens = list(prompt)
-                    t0 = time.perf_counter()
-                    matched, is_async = sched.get_num_new_matched_tokens(req, 0)
-                    times.append(time.perf_counter() - t0)
-                    sched.request_reset(req)
-                    rid += 1
-                    if matched != MATCH_BLOCKS * TOKENS_PER_BLOCK:
-                        raise RuntimeError(f"fully cached prompt matched {matched} tokens, expected "
-                                           f"{MATCH_BLOCKS * TOKENS_PER_BLOCK}")
-            # The same prompt as a scheduler that did not see these blocks published finds it (a prompt
-            # another process or node saved, or one whose index entries passed index_ttl_s): every
-            # block file stat'ed.  The scheduler's own lookup pools are emptied of what they indexed.
-            unindexed: list[float] = []
-            deadline = time.monotonic() + time_cap_s
-            with tracer.rf("bench/match/unindexed"):
-                while len(unindexed) < 3 or (len(unindexed) < 30 and time.monotonic() < deadline):
-                    for pool in sched._lookup_pools:
-                        pool._index.clear()
-                    req = SimRequest(rid, prompt)
-                    req.tokens = list(prompt)
-                    t0 = time.perf_counter()
-                    matched, _ = sched.get_num_new_matched_tokens(req, 0)
-                    unindexed.append(time.perf_counter() - t0)
-                    sched.request_reset(req)
-                    rid += 1
-                    if matched != MATCH_BLOCKS * TOKENS_PER_BLOCK:
-                        raise RuntimeError(f"fully cached prompt matched {matched} tokens unindexed, expected "
-                                           f"{MATCH_BLOCKS * TOKENS_PER_BLOCK}")
+
+            def match_calls(label: str, unindexed: bool) -> tuple[list[float], bool]:
+                """Seconds per match of the whole prompt (3 to 30 calls within the time cap); with
+                ``unindexed`` the scheduler's lookup pools are emptied of what they indexed before
+                each, so every block file is stat'ed, as a scheduler that did not see these blocks
+                published (another process or node saved them, or the index entries passed
+                index_ttl_s) finds them."""
+                nonlocal rid
+                times: list[float] = []
+                is_async = False
+                deadline = time.monotonic() + time_cap_s
+                with tracer.rf(f"bench/match/{label}"):
+                    while len(times) < 3 or (len(times) < 30 and time.monotonic() < deadline):
+                        if unindexed:
+                            for pool in sched._lookup_pools:
+                                pool._index.clear()
+                        req = SimRequest(rid, prompt)
+                        req.tokens = list(prompt)
+                        t0 = time.perf_counter()
+                        matched, is_async = sched.get_num_new_matched_tokens(req, 0)
+                        times.append(time.perf_counter() - t0)
+                        sched.request_reset(req)
+                        rid += 1
+                        if matched != MATCH_BLOCKS * TOKENS_PER_BLOCK:
+                            raise RuntimeError(f"fully cached prompt matched {matched} tokens ({label}), expected "
+                                               f"{MATCH_BLOCKS * TOKENS_PER_BLOCK}")
+                return times, is_async
+
+            times, is_async = match_calls("calls", False)
+            unindexed, _ = match_calls("unindexed", True)
             unindexed.sort()
             out.update({"unindexed_calls": len(unindexed),
                         "unindexed_median_ms": round(unindexed[len(unindexed) // 2] * 1e3, 3),
