@@ -56,6 +56,31 @@ def test_chain_keys_reject_bad_input():
         native.chain_keys(prev, [1] * 31 + [2**63], 0, 16, 2)
 
 
+@pytest.mark.parametrize("tpb", [1, 32])
+def test_long_chains_hashed_beside_their_conversion_equal_the_definition(native_impl, tpb):
+    """From 512 blocks the C loop hashes on a second thread while it converts the tokens."""
+    rng = random.Random(tpb + 1)
+    tokens = [rng.randrange(-2**63, 2**63) for _ in range(1100 * tpb + 3)]
+    prev = hashlib.sha256(b"long").digest()
+    for start, n in [(0, 512), (3, 1100), (5 * tpb, 700), (0, 1023)]:
+        want = extend_chain(prev, token_array(tokens, start, start + n * tpb), tpb, 0, n)
+        assert chain_from_tokens(prev, tokens, start, tpb, n) == want
+        assert chain_from_tokens(prev, tuple(tokens), start, tpb, n) == want
+
+
+def test_a_bad_token_deep_in_a_long_chain_raises_and_stops_the_hasher():
+    if not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    for at in (0, 15, 16, 9000, 20 * 1000 - 1):  # before, at and after a publication, and the very last
+        tokens = [1] * (20 * 1000)
+        tokens[at] = "x"
+        with pytest.raises(TypeError):
+            native.chain_keys(bytes(32), tokens, 0, 20, 1000)
+    good = [7] * (20 * 1000)
+    assert native.chain_keys(bytes(32), good, 0, 20, 1000) == extend_chain(
+        bytes(32), token_array(good, 0, 20 * 1000), 20, 0, 1000)
+
+
 class Slots:
     """A few 4 KiB-headed slots in ordinary memory, addressed as the arena addresses its slabs."""
 
