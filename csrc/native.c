@@ -478,14 +478,14 @@ static PyObject *link_keys(PyObject *self, PyObject *args) {
     const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
     int *errs = malloc((size_t)(n ? n : 1) * sizeof *errs);
     char *path = malloc(longest + 2 + 2 * KEY + suffix_len);
-    PyObject *out = NULL;
+    PyObject *out = NULL, *held = NULL;
     if (!key_at || !errs || !path) {
         PyErr_NoMemory();
         goto done;
     }
-    if (key_ptrs(keys, 0, n, key_at) < 0) goto done;
-    Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
-    Py_INCREF(keys);
+    /* A copy of the list holds a reference to every key, so none is freed while the GIL is released,
+     * even if another thread edits the caller's list (the call's arguments keep the tuple of directories). */
+    if (!(held = PyList_GetSlice(keys, 0, n)) || key_ptrs(held, 0, n, key_at) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         key_path(path, dir_of, dir_len, key_at[i], suffix, suffix_len);
@@ -498,9 +498,8 @@ static PyObject *link_keys(PyObject *self, PyObject *args) {
         if (!e) Py_CLEAR(out);
         else PyList_SetItem(out, i, e);
     }
-    Py_DECREF(keys);
-    Py_DECREF(dirs);
 done:
+    Py_XDECREF(held);
     free(key_at);
     free(errs);
     free(path);
@@ -602,12 +601,13 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
     const unsigned char **key_at = malloc((size_t)(n ? n : 1) * sizeof *key_at);
     long long *sizes = malloc((size_t)(n ? n : 1) * sizeof *sizes);
     char *path = NULL;
-    PyObject *out = NULL;
+    PyObject *out = NULL, *held = NULL;
     if (!key_at || !sizes) {
         PyErr_NoMemory();
         goto done;
     }
-    if (key_ptrs(keys, start, n, key_at) < 0) goto done;
+    /* a copy of the run holds a reference to every key (see link_keys) */
+    if (!(held = PyList_GetSlice(keys, start, start + n)) || key_ptrs(held, 0, n, key_at) < 0) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned char b = key_at[i][0];
         if (dir_of[b]) continue;
@@ -622,8 +622,6 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_INCREF(dirs); /* both outlive the loop even if another thread edits the list */
-    Py_INCREF(keys);
     Py_ssize_t found = 0;
     for (; found < n && found < STAT_HOLD_GIL; found++) {
         struct stat st;
@@ -642,9 +640,8 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
         if (!v) Py_CLEAR(out);
         else PyList_SetItem(out, i, v);
     }
-    Py_DECREF(keys);
-    Py_DECREF(dirs);
 done:
+    Py_XDECREF(held);
     free(key_at);
     free(sizes);
     free(path);
