@@ -46,7 +46,7 @@ def main() -> None:
     libc = ctypes.PyDLL(None)
     buf = ctypes.create_string_buffer(512)  # larger than struct stat
     timed: list[list[float]] = []
-    real_lstat, real_present_run = os.lstat, None
+    real_lstat = os.lstat
 
     def probe(path: str) -> None:
         if len(timed) >= 64:

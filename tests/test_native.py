@@ -33,10 +33,12 @@ def test_the_extension_is_built_where_a_compiler_is():
 @pytest.mark.parametrize("tpb", [1, 16, 32])
 def test_chain_keys_equal_the_definition(native_impl, tpb):
     rng = random.Random(tpb)
-    tokens = [rng.randrange(-2**63, 2**63) for _ in range(80 * tpb + 5)]
+    tokens = [rng.randrange(-2**63, 2**63) for _ in range(1100 * tpb + 5)]
     prev = hashlib.sha256(b"seed").digest()
-    # 80 blocks: the C loop releases the GIL from 64 blocks on, and keeps it below
-    for start, n in [(0, 20), (3 * tpb, 17), (5, 20 - 1), (0, 0), (0, 80)]:
+    # the C loop releases the GIL from 64 blocks on and keeps it below; from 512 blocks it hashes on a
+    # second thread while it converts the tokens
+    for start, n in [(0, 20), (3 * tpb, 17), (5, 20 - 1), (0, 0), (0, 80),
+                     (0, 512), (3, 1100), (5 * tpb, 700), (0, 1023)]:
         want = extend_chain(prev, token_array(tokens, start, start + n * tpb), tpb, 0, n)
         assert chain_from_tokens(prev, tokens, start, tpb, n) == want
         assert chain_from_tokens(prev, tuple(tokens), start, tpb, n) == want
@@ -54,18 +56,6 @@ def test_chain_keys_reject_bad_input():
         native.chain_keys(prev, [1] * 31 + ["x"], 0, 16, 2)
     with pytest.raises(OverflowError):
         native.chain_keys(prev, [1] * 31 + [2**63], 0, 16, 2)
-
-
-@pytest.mark.parametrize("tpb", [1, 32])
-def test_long_chains_hashed_beside_their_conversion_equal_the_definition(native_impl, tpb):
-    """From 512 blocks the C loop hashes on a second thread while it converts the tokens."""
-    rng = random.Random(tpb + 1)
-    tokens = [rng.randrange(-2**63, 2**63) for _ in range(1100 * tpb + 3)]
-    prev = hashlib.sha256(b"long").digest()
-    for start, n in [(0, 512), (3, 1100), (5 * tpb, 700), (0, 1023)]:
-        want = extend_chain(prev, token_array(tokens, start, start + n * tpb), tpb, 0, n)
-        assert chain_from_tokens(prev, tokens, start, tpb, n) == want
-        assert chain_from_tokens(prev, tuple(tokens), start, tpb, n) == want
 
 
 def test_a_bad_token_deep_in_a_long_chain_raises_and_stops_the_hasher():
