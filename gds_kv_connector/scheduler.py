@@ -40,6 +40,7 @@ class _Request:
     rid: int
     seed: bytes
     tokens: list[int] = field(default_factory=list)
+    tokens_owned: bool = False  # False: ``tokens`` may be a caller's list, copied before it is extended
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
@@ -52,11 +53,22 @@ class _Request:
     dispatched: bool = False  # a save or load was handed to the worker
 
     def set_tokens(self, tokens: Sequence[int]) -> None:
-        """Hold a copy of ``tokens`` (the only copy made of a prompt)."""
-        new = list(tokens)
-        if len(new) < len(self.tokens) or new[:len(self.tokens)] != self.tokens:
+        """Take ``tokens`` as the request's tokens; a list is adopted, not copied.
+
+        Copying a 128k-token prompt costs about a millisecond of the executor thread's match, and
+        the lists passed here (``get_tokens``' converted vector, a report's delta) are new per call.
+        One that is still its caller's is never mutated: the first in-place extension
+        (``_fold_reports``) copies it once.
+        """
+        old = self.tokens
+        new = tokens if type(tokens) is list else list(tokens)
+        if new is old:
+            return
+        have = len(old)
+        if have and (len(new) < have or (new != old if len(new) == have else new[:have] != old)):
             self.keys.clear()  # a different prefix (replay after reset): keys must be recomputed
         self.tokens = new
+        self.tokens_owned = new is not tokens
 
     def keys_upto(self, n_blocks: int, tpb: int) -> list[bytes]:
         """Keys of blocks ``[0, n_blocks)``; may be ``self.keys`` itself, so never mutate it.
@@ -249,7 +261,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 st.prompt_len = st.prompt_len or len(st.tokens)
                 end = st.sync_loaded_tokens
             else:
-                st.tokens += rd.new_tokens
+                if st.tokens_owned:
+                    st.tokens += rd.new_tokens
+                elif rd.new_tokens:
+                    st.tokens = st.tokens + rd.new_tokens
+                    st.tokens_owned = True
                 end = 0
             st.reported = True
             blocks = rd.new_block_ids

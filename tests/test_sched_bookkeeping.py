@@ -51,6 +51,29 @@ def test_saves_carry_chain_keys_and_only_completed_blocks(pool_env):
         worker.shutdown()
 
 
+def test_token_lists_passed_in_are_kept_but_never_mutated(pool_env):
+    """The scheduler keeps the lists it is given instead of copying a long prompt, so the first decode
+    step must copy before extending: a request that hands out its own list, and the first report's
+    list, stay as they were, and later saves still key the generated tokens."""
+    sched, worker = _pair()
+    try:
+        prompt = list(range(300, 310))
+        held = list(prompt)
+        req = SimRequest(3, prompt, tokens=list(prompt))
+        req.get_tokens = lambda beam=0: held
+        sched.get_num_new_matched_tokens(req, 0)
+        reported = list(prompt)
+        _report(sched, 3, reported, [7, 8, 9], 0, len(prompt), first=True)
+        tokens = prompt + [1]
+        _report(sched, 3, [1], [], len(tokens) - 1, 1, first=False)
+        tokens.append(2)
+        meta = _report(sched, 3, [2], [], len(tokens) - 1, 1, first=False)
+        assert held == prompt and reported == prompt
+        assert [s.keys for s in meta.saves] == [(_keys(sched, tokens)[2],)]
+    finally:
+        worker.shutdown()
+
+
 def test_request_finished_saves_a_block_completed_by_unreported_tokens(pool_env):
     sched, worker = _pair()
     delivered = []
