@@ -40,7 +40,6 @@ class _Request:
     rid: int
     seed: bytes
     tokens: list[int] = field(default_factory=list)
-    tokens_owned: bool = False  # False: ``tokens`` may be a caller's list, copied before it is extended
     keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     prompt_len: int = 0
@@ -52,23 +51,20 @@ class _Request:
     reported: bool = False
     dispatched: bool = False  # a save or load was handed to the worker
 
-    def set_tokens(self, tokens: Sequence[int]) -> None:
-        """Take ``tokens`` as the request's tokens; a list is adopted, not copied.
+    def set_tokens(self, tokens: Sequence[int], adopt: bool = False) -> None:
+        """Take ``tokens`` as the request's tokens: a copy, or with ``adopt`` the list itself.
 
-        Copying a 128k-token prompt costs about a millisecond of the executor thread's match, and
-        the lists passed here (``get_tokens``' converted vector, a report's delta) are new per call.
-        One that is still its caller's is never mutated: the first in-place extension
-        (``_fold_reports``) copies it once.
+        The match adopts ``get_tokens``' list, which TensorRT-LLM converts anew for each call, since
+        copying a 128k-token prompt costs about a millisecond of the match; the request's first
+        report then replaces it with a list of the scheduler's own, which later reports extend in
+        place, so a caller's list is never mutated.
         """
         old = self.tokens
-        new = tokens if type(tokens) is list else list(tokens)
-        if new is old:
-            return
+        new = tokens if adopt and type(tokens) is list else list(tokens)
         have = len(old)
         if have and (len(new) < have or (new != old if len(new) == have else new[:have] != old)):
             self.keys.clear()  # a different prefix (replay after reset): keys must be recomputed
         self.tokens = new
-        self.tokens_owned = new is not tokens
 
     def keys_upto(self, n_blocks: int, tpb: int) -> list[bytes]:
         """Keys of blocks ``[0, n_blocks)``; may be ``self.keys`` itself, so never mutate it.
@@ -157,7 +153,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 return 0, False
             tpb = self._tpb
             st = self._state(request)
-            st.set_tokens(request.get_tokens(0))
+            st.set_tokens(request.get_tokens(0), adopt=True)
             st.prompt_len = len(st.tokens)
             if num_computed_tokens % tpb:
                 return 0, False
@@ -256,16 +252,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             if st is None:
                 st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
             if first and not st.reported:
-                if rd.new_tokens:
-                    st.set_tokens(rd.new_tokens)
+                st.set_tokens(rd.new_tokens or st.tokens)  # a list of its own, extended in place below
                 st.prompt_len = st.prompt_len or len(st.tokens)
                 end = st.sync_loaded_tokens
             else:
-                if st.tokens_owned:
-                    st.tokens += rd.new_tokens
-                elif rd.new_tokens:
-                    st.tokens = st.tokens + rd.new_tokens
-                    st.tokens_owned = True
+                st.tokens += rd.new_tokens
                 end = 0
             st.reported = True
             blocks = rd.new_block_ids

@@ -1,5 +1,6 @@
 """The scheduler's per-iteration plan: what is saved, with which keys, and when nothing is due."""
 
+import pytest
 import torch
 
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
@@ -51,10 +52,12 @@ def test_saves_carry_chain_keys_and_only_completed_blocks(pool_env):
         worker.shutdown()
 
 
-def test_token_lists_passed_in_are_kept_but_never_mutated(pool_env):
-    """The scheduler keeps the lists it is given instead of copying a long prompt, so the first decode
-    step must copy before extending: a request that hands out its own list, and the first report's
-    list, stay as they were, and later saves still key the generated tokens."""
+@pytest.mark.parametrize("first_report", ["prompt", "empty"])
+def test_token_lists_passed_in_are_never_mutated(pool_env, first_report):
+    """The match keeps get_tokens' list instead of copying a long prompt, so the first report must
+    leave the scheduler a list of its own to extend: a request that hands out its own list, and the
+    first report's list (the prompt, or empty), stay as they were, and later saves still key the
+    generated tokens."""
     sched, worker = _pair()
     try:
         prompt = list(range(300, 310))
@@ -62,13 +65,13 @@ def test_token_lists_passed_in_are_kept_but_never_mutated(pool_env):
         req = SimRequest(3, prompt, tokens=list(prompt))
         req.get_tokens = lambda beam=0: held
         sched.get_num_new_matched_tokens(req, 0)
-        reported = list(prompt)
+        reported = list(prompt) if first_report == "prompt" else []
         _report(sched, 3, reported, [7, 8, 9], 0, len(prompt), first=True)
         tokens = prompt + [1]
         _report(sched, 3, [1], [], len(tokens) - 1, 1, first=False)
         tokens.append(2)
         meta = _report(sched, 3, [2], [], len(tokens) - 1, 1, first=False)
-        assert held == prompt and reported == prompt
+        assert held == prompt and reported == (prompt if first_report == "prompt" else [])
         assert [s.keys for s in meta.saves] == [(_keys(sched, tokens)[2],)]
     finally:
         worker.shutdown()
