@@ -330,13 +330,16 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             if st is None:
                 return False
             if self._save:  # the final tokens and block ids matter only to the last save
-                tokens = request.get_tokens(0)
-                if not isinstance(tokens, list):
-                    tokens = list(tokens)
-                have = len(st.tokens)
-                # tokens that complete no further block cannot change the save: skip the compare
-                if len(tokens) // self._tpb > have // self._tpb and tokens[:have] == st.tokens:
-                    st.tokens = tokens  # st is dropped after this call, so sharing the list is safe
+                tpb, have = self._tpb, len(st.tokens)
+                # Tokens that complete no further block cannot change the save.  TensorRT-LLM's count
+                # says so without converting the whole token list (128k ints for a long prompt).
+                count = _num_tokens(request)
+                if count is None or count // tpb > have // tpb:
+                    tokens = request.get_tokens(0)
+                    if not isinstance(tokens, list):
+                        tokens = list(tokens)
+                    if len(tokens) // tpb > have // tpb and tokens[:have] == st.tokens:
+                        st.tokens = tokens  # st is dropped after this call, so sharing the list is safe
                 if len(cache_block_ids) > len(st.block_ids):
                     st.block_ids = list(cache_block_ids)
                 final = self._due_save(st)
@@ -365,6 +368,16 @@ def _request_id(request: Any) -> int:
         if rid is not None:
             return int(rid)
     raise AttributeError(f"{type(request).__name__} has no request_id")
+
+
+def _num_tokens(request: Any) -> int | None:
+    """The request's token count (beam 0) where it has ``get_num_tokens``, as TensorRT-LLM's binding
+    does; None where it does not (the contract promises only ``get_tokens``)."""
+    count = getattr(request, "get_num_tokens", None)
+    if count is None:
+        return None
+    n = count(0)
+    return n if type(n) is int else None
 
 
 def _cache_salt(request: Any) -> str | None:

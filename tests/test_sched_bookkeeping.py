@@ -1,5 +1,7 @@
 """The scheduler's per-iteration plan: what is saved, with which keys, and when nothing is due."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -92,6 +94,41 @@ def test_request_finished_saves_a_block_completed_by_unreported_tokens(pool_env)
         assert sched.request_finished(req, [3, 4, 5]) is True
         want = _keys(sched, req.tokens)
         assert [(s.keys, s.parents, s.block_ids) for s in delivered] == [((want[1],), (want[0],), (4,))]
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_request_finished_reads_the_tokens_only_when_a_block_may_complete(pool_env, counted):
+    """A request that can count its tokens (TensorRT-LLM's get_num_tokens) is asked for its token
+    list at the end only if unreported tokens complete a block; one that cannot is asked anyway."""
+    sched, worker = _pair()
+    delivered = []
+    sched._connect().deliver_saves = delivered.extend
+    try:
+        prompt = list(range(400, 406))
+        req = SimpleNamespace(request_id=4, tokens=list(prompt), asked=0)
+
+        def get_tokens(beam=0):
+            req.asked += 1
+            return list(req.tokens)
+        req.get_tokens = get_tokens
+        if counted:
+            req.get_num_tokens = lambda beam=0: len(req.tokens)
+        sched.get_num_new_matched_tokens(req, 0)
+        _report(sched, 4, prompt, [3, 4], 0, len(prompt), first=True)
+        req.tokens = prompt + [1]  # block 1 still one token short
+        req.asked = 0
+        sched.request_finished(req, [3, 4])
+        assert req.asked == (0 if counted else 1) and not delivered
+
+        sched.get_num_new_matched_tokens(SimpleNamespace(request_id=5, get_tokens=lambda b=0: list(prompt)), 0)
+        _report(sched, 5, prompt, [3, 4], 0, len(prompt), first=True)
+        _report(sched, 5, [], [], len(prompt), 2, first=False)
+        req.request_id, req.tokens, req.asked = 5, prompt + [1, 2], 0
+        sched.request_finished(req, [3, 4])
+        want = _keys(sched, req.tokens)
+        assert req.asked == 1 and [s.keys for s in delivered] == [(want[1],)]
     finally:
         worker.shutdown()
 

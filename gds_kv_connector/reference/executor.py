@@ -68,6 +68,9 @@ class SimRequest:
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
 
+    def get_num_tokens(self, beam: int = 0) -> int:
+        return len(self.tokens)
+
 
 @dataclass
 class ExecutorConfig:
