@@ -125,6 +125,17 @@ def _exec_summary(d: dict, what: str) -> dict:
             "wall_s": round(d["wall_s"], 3)}
 
 
+def save_chain(worker: Any, keys: list[bytes], data: torch.Tensor) -> None:
+    """Save ``data[i]`` as the block of ``keys[i]``, each block the parent of the next (a prompt's
+    chain), through the worker's pool and engine in batches of 512; raises if any save fails."""
+    for i in range(0, len(keys), 512):
+        idx = range(i, min(len(keys), i + 512))
+        o = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
+                        [keys[j - 1] if j else ZERO_KEY for j in idx], [data[j] for j in idx])
+        if o.failed:
+            raise RuntimeError(f"saving a prompt's blocks: {len(o.failed)} saves failed ({o.failed[0][1]})")
+
+
 def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefaults, tracer: Tracer,
                time_cap_s: float, arena_bytes: int = 0) -> dict:
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
@@ -155,12 +166,7 @@ def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefa
             data = rand_bytes((MATCH_BLOCKS, payload), device, 5)
             t0 = time.perf_counter()
             with tracer.rf("bench/match/build_pool"):
-                for i in range(0, MATCH_BLOCKS, 512):
-                    o = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
-                                    [keys[j - 1] if j else ZERO_KEY for j in range(i, min(MATCH_BLOCKS, i + 512))],
-                                    [data[j] for j in range(i, min(MATCH_BLOCKS, i + 512))])
-                    if o.failed:
-                        raise RuntimeError(f"building the match pool: {len(o.failed)} saves failed ({o.failed[0][1]})")
+                save_chain(worker, keys, data)
             out["build_s"] = round(time.perf_counter() - t0, 3)
             rid = 1_000_000
 

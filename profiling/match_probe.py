@@ -32,10 +32,8 @@ except ImportError:
     sys.path.append(os.path.dirname(HERE))
     import gds_kv_connector
 from bench_common import MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK  # noqa: E402
-from bench_executor import connector_env  # noqa: E402
+from bench_executor import connector_env, save_chain  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
-from gds_kv_connector.block_io import save_blocks  # noqa: E402
-from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
 from gds_kv_connector.reference import SimRequest, fake_llm_args  # noqa: E402
 
 
@@ -59,13 +57,7 @@ def main() -> None:
                 first = SimRequest(1, prompt, tokens=list(prompt))
                 sched.get_num_new_matched_tokens(first, 0)  # keys the prompt; nothing is saved yet
                 keys = sched._reqs[1].keys_upto(MATCH_BLOCKS, TOKENS_PER_BLOCK)
-                data = torch.zeros((MATCH_BLOCKS, worker.pool.payload_len), dtype=torch.uint8)
-                for i in range(0, MATCH_BLOCKS, 512):
-                    out = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
-                                      [keys[j - 1] if j else ZERO_KEY for j in range(i, i + 512)],
-                                      [data[j] for j in range(i, i + 512)])
-                    if out.failed:
-                        raise SystemExit(f"match_probe.py: {len(out.failed)} saves failed ({out.failed[0][1]})")
+                save_chain(worker, keys, torch.zeros((MATCH_BLOCKS, worker.pool.payload_len), dtype=torch.uint8))
                 sched.request_reset(first)
                 times: dict[str, list[float]] = {"indexed": [], "unindexed": []}
                 rid = 100
