@@ -23,6 +23,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define KEY 32
@@ -121,8 +122,9 @@ struct chain_job {
     unsigned char *keys;
     size_t width;
     Py_ssize_t n;
-    atomic_long ready; /* blocks whose tokens are converted */
-    atomic_int abort;  /* the conversion failed: stop */
+    atomic_long ready;  /* blocks whose tokens are converted */
+    atomic_int abort;   /* the conversion failed: stop */
+    atomic_long hashed; /* blocks whose keys are written (chain_present's stat threads follow it) */
 };
 
 static void hash_blocks(const unsigned char *prev, const int64_t *toks, unsigned char *keys, size_t width,
@@ -150,33 +152,72 @@ static void *chain_job_run(void *arg) {
         }
         hash_blocks(j->prev, j->toks, j->keys, j->width, done, ready);
         done = ready;
+        atomic_store_explicit(&j->hashed, (long)done, memory_order_release);
     }
     return NULL;
+}
+
+/* Checks chain_keys' arguments: 0 and *is_list set, or -1 with the error set. */
+static int chain_check(PyObject *tokens, Py_ssize_t start, Py_ssize_t tpb, Py_ssize_t n, int *is_list) {
+    *is_list = PyList_Check(tokens);
+    if (!*is_list && !PyTuple_Check(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be a list or tuple of ints");
+        return -1;
+    }
+    if (tpb <= 0 || n < 0 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "tokens_per_block must be positive, start and n not negative");
+        return -1;
+    }
+    Py_ssize_t have = *is_list ? PyList_Size(tokens) : PyTuple_Size(tokens);
+    if (n > (PY_SSIZE_T_MAX / 8 - start) / tpb || start + n * tpb > have) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks of %zd tokens from token %zd need more than the %zd tokens given",
+                     n, tpb, start, have);
+        return -1;
+    }
+    return 0;
+}
+
+/* Converts the tokens of n blocks from tokens[start] into toks (the GIL held: reading an int needs
+ * it); with a job, whose hasher runs on another thread, publishes each CHAIN_PUBLISH_BLOCKS blocks
+ * to it, or aborts it on failure.  -1 with the error set where a token is not an int64. */
+static int convert_tokens(PyObject *tokens, int is_list, Py_ssize_t start, Py_ssize_t tpb, Py_ssize_t n,
+                          int64_t *toks, struct chain_job *job) {
+    for (Py_ssize_t b = 0, i = 0; b < n; b++) {
+        for (Py_ssize_t end = i + tpb; i < end; i++) {
+            PyObject *t = is_list ? PyList_GetItem(tokens, start + i) : PyTuple_GetItem(tokens, start + i);
+            long long v = PyLong_AsLongLong(t);
+            if (v == -1 && PyErr_Occurred()) {
+                if (job) atomic_store_explicit(&job->abort, 1, memory_order_relaxed);
+                return -1;
+            }
+            toks[i] = (int64_t)v;
+        }
+        if (job && (b % CHAIN_PUBLISH_BLOCKS == CHAIN_PUBLISH_BLOCKS - 1 || b == n - 1))
+            atomic_store_explicit(&job->ready, (long)(b + 1), memory_order_release);
+    }
+    return 0;
+}
+
+/* n keys of KEY bytes as a list of bytes. */
+static PyObject *key_list(const unsigned char *keys, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t b = 0; out && b < n; b++) {
+        PyObject *k = PyBytes_FromStringAndSize((const char *)keys + b * KEY, KEY);
+        if (!k) Py_CLEAR(out);
+        else PyList_SetItem(out, b, k);
+    }
+    return out;
 }
 
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
     PyObject *prev_obj, *tokens;
     Py_ssize_t start, tpb, n;
+    int is_list;
     if (!PyArg_ParseTuple(args, "OOnnn", &prev_obj, &tokens, &start, &tpb, &n)) return NULL;
-    int is_list = PyList_Check(tokens);
-    if (!is_list && !PyTuple_Check(tokens)) {
-        PyErr_SetString(PyExc_TypeError, "tokens must be a list or tuple of ints");
-        return NULL;
-    }
-    if (tpb <= 0 || n < 0 || start < 0) {
-        PyErr_SetString(PyExc_ValueError, "tokens_per_block must be positive, start and n not negative");
-        return NULL;
-    }
-    Py_ssize_t have = is_list ? PyList_Size(tokens) : PyTuple_Size(tokens);
-    if (n > (PY_SSIZE_T_MAX / 8 - start) / tpb || start + n * tpb > have) {
-        PyErr_Format(PyExc_ValueError, "%zd blocks of %zd tokens from token %zd need more than the %zd tokens given",
-                     n, tpb, start, have);
-        return NULL;
-    }
+    if (chain_check(tokens, start, tpb, n, &is_list) < 0) return NULL;
     Py_buffer prev;
     if (get_buf(prev_obj, &prev, KEY, "prev key") < 0) return NULL;
-    Py_ssize_t count = n * tpb;
-    int64_t *toks = malloc((size_t)(count ? count : 1) * 8);
+    int64_t *toks = malloc((size_t)(n && tpb ? n * tpb : 1) * 8);
     unsigned char *keys = malloc((size_t)(n ? n : 1) * KEY);
     PyObject *out = NULL;
     if (!toks || !keys) {
@@ -184,25 +225,11 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         goto done;
     }
     size_t width = (size_t)tpb * 8;
-    struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0};
+    struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0, 0};
     pthread_t hasher;
     int pipelined = n >= CHAIN_PIPELINE_BLOCKS && pthread_create(&hasher, NULL, chain_job_run, &job) == 0;
-    int failed = 0;
-    for (Py_ssize_t b = 0, i = 0; b < n && !failed; b++) {
-        for (Py_ssize_t end = i + tpb; i < end; i++) {
-            PyObject *t = is_list ? PyList_GetItem(tokens, start + i) : PyTuple_GetItem(tokens, start + i);
-            long long v = PyLong_AsLongLong(t);
-            if (v == -1 && PyErr_Occurred()) {
-                failed = 1;
-                break;
-            }
-            toks[i] = (int64_t)v;
-        }
-        if (pipelined && !failed && (b % CHAIN_PUBLISH_BLOCKS == CHAIN_PUBLISH_BLOCKS - 1 || b == n - 1))
-            atomic_store_explicit(&job.ready, (long)(b + 1), memory_order_release);
-    }
+    int failed = convert_tokens(tokens, is_list, start, tpb, n, toks, pipelined ? &job : NULL) < 0;
     if (pipelined) {
-        if (failed) atomic_store_explicit(&job.abort, 1, memory_order_relaxed);
         Py_BEGIN_ALLOW_THREADS
         pthread_join(hasher, NULL);
         Py_END_ALLOW_THREADS
@@ -213,16 +240,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         hash_blocks(prev.buf, toks, keys, width, 0, n);
         take_gil_back(saved);
     }
-    out = PyList_New(n);
-    if (!out) goto done;
-    for (Py_ssize_t b = 0; b < n; b++) {
-        PyObject *k = PyBytes_FromStringAndSize((const char *)keys + b * KEY, KEY);
-        if (!k) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SetItem(out, b, k);
-    }
+    out = key_list(keys, n);
 done:
     free(toks);
     free(keys);
@@ -648,10 +666,148 @@ done:
     return out;
 }
 
+/* chain_present(prev, tokens, start, tokens_per_block, n, dirs, suffix) -> (keys, sizes)
+ *
+ * chain_keys(prev, tokens, start, tokens_per_block, n) and present_run(dirs, keys, 0, suffix) in one
+ * call whose stats overlap the hashing.  It is the match of a long prompt whose first block this
+ * process has not indexed (another process or node saved it, or nobody did): hashing its 4096
+ * blocks and stat'ing their files each took about 1.5 ms on the H200 host, one after the other
+ * (results/h200-9af4386/).  Here the executor thread converts the tokens, one thread hashes behind
+ * it, and up to STAT_THREADS threads take chunks of PROBE_CHUNK keys, in order, as soon as they are
+ * hashed, and stat them; none takes a chunk past the lowest key found missing, so a prompt that is
+ * not in the pool costs a few stats. */
+#define PROBE_CHUNK 16
+
+struct probe {
+    struct chain_job *job;
+    const char **dir_of;
+    const size_t *dir_len;
+    const char *suffix;
+    size_t suffix_len;
+    long long *sizes;
+    Py_ssize_t n;
+    atomic_long next; /* the first key of the next chunk to take */
+    atomic_long fail; /* the lowest key found missing or not a regular file (n: none yet) */
+    int threads;      /* stat threads wanted, the first included */
+    struct probe_thread *pt;
+    pthread_t tid[STAT_THREADS];
+    int started[STAT_THREADS];
+};
+
+struct probe_thread {
+    struct probe *p;
+    char *path;
+};
+
+static void *probe_run(void *arg);
+
+/* Run by the first stat thread once the first chunk is present: the other stat threads.  A prompt
+ * whose first block is missing (not in the pool at all, the usual miss) so costs one thread. */
+static void probe_spawn(struct probe *p) {
+    for (int t = 1; t < p->threads; t++)
+        p->started[t] = pthread_create(&p->tid[t], NULL, probe_run, &p->pt[t]) == 0;
+}
+
+static void *probe_run(void *arg) {
+    struct probe_thread *t = arg;
+    struct probe *p = t->p;
+    for (int chunks = 0;; chunks++) {
+        if (chunks == 1 && t == p->pt) probe_spawn(p);
+        long lo = atomic_fetch_add(&p->next, PROBE_CHUNK);
+        if (lo >= p->n || lo > atomic_load(&p->fail)) return NULL;
+        long hi = lo + PROBE_CHUNK < p->n ? lo + PROBE_CHUNK : (long)p->n;
+        /* wait for the hasher, yielding first and then sleeping, so waiting threads leave the
+         * converting and hashing threads their cores on a small machine */
+        for (int spins = 0; atomic_load_explicit(&p->job->hashed, memory_order_acquire) < hi; spins++) {
+            if (atomic_load_explicit(&p->job->abort, memory_order_relaxed)) return NULL;
+            if (spins < 16) sched_yield();
+            else nanosleep(&(struct timespec){0, 20000}, NULL);
+        }
+        for (long i = lo; i < hi; i++) {
+            struct stat st;
+            key_path(t->path, p->dir_of, p->dir_len, p->job->keys + i * KEY, p->suffix, p->suffix_len);
+            if (lstat(t->path, &st) || !S_ISREG(st.st_mode)) {
+                long cur = atomic_load(&p->fail);
+                while (i < cur && !atomic_compare_exchange_weak(&p->fail, &cur, i)) {
+                }
+                return NULL;
+            }
+            p->sizes[i] = (long long)st.st_size;
+        }
+    }
+}
+
+static PyObject *chain_present(PyObject *self, PyObject *args) {
+    PyObject *prev_obj, *tokens, *dirs;
+    Py_ssize_t start, tpb, n;
+    const char *suffix;
+    int is_list;
+    if (!PyArg_ParseTuple(args, "OOnnnOs", &prev_obj, &tokens, &start, &tpb, &n, &dirs, &suffix)) return NULL;
+    if (chain_check(tokens, start, tpb, n, &is_list) < 0) return NULL;
+    const char *dir_of[256];
+    size_t dir_len[256], longest, suffix_len = strlen(suffix);
+    if (key_dirs(dirs, dir_of, dir_len, &longest) < 0) return NULL;
+    Py_buffer prev;
+    if (get_buf(prev_obj, &prev, KEY, "prev key") < 0) return NULL;
+    size_t path_cap = longest + 2 + 2 * KEY + suffix_len;
+    int64_t *toks = malloc((size_t)(n && tpb ? n * tpb : 1) * 8);
+    unsigned char *keys = malloc((size_t)(n ? n : 1) * KEY);
+    long long *sizes = malloc((size_t)(n ? n : 1) * sizeof *sizes);
+    char *paths = malloc(path_cap * STAT_THREADS);
+    PyObject *out = NULL, *key_out = NULL, *size_out = NULL;
+    if (!toks || !keys || !sizes || !paths) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t width = (size_t)tpb * 8;
+    struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0, 0};
+    struct probe_thread pt[STAT_THREADS];
+    struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, 1, pt, {0}, {0}};
+    for (int t = 0; t < STAT_THREADS; t++) pt[t] = (struct probe_thread){&pr, paths + t * path_cap};
+    pr.threads = (int)(n / STAT_SPAN_MIN);
+    if (pr.threads > STAT_THREADS) pr.threads = STAT_THREADS;
+    if (pr.threads < 1) pr.threads = 1;
+    pthread_t hasher;
+    int hashing = pthread_create(&hasher, NULL, chain_job_run, &job) == 0;
+    int probing = pr.started[0] = pthread_create(&pr.tid[0], NULL, probe_run, &pt[0]) == 0;
+    int failed = convert_tokens(tokens, is_list, start, tpb, n, toks, &job) < 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (hashing) pthread_join(hasher, NULL);
+    else if (!failed) { /* no hasher thread: this one hashes, and the stat threads follow it */
+        hash_blocks(prev.buf, toks, keys, width, 0, n);
+        atomic_store_explicit(&job.hashed, (long)n, memory_order_release);
+    }
+    if (probing) pthread_join(pr.tid[0], NULL); /* first: it started the others */
+    else if (!failed) probe_run(&pt[0]);        /* no stat thread: this one stats (and starts the others) */
+    for (int t = 1; t < pr.threads; t++)
+        if (pr.started[t]) pthread_join(pr.tid[t], NULL);
+    Py_END_ALLOW_THREADS
+    if (failed) goto done;
+    Py_ssize_t found = atomic_load(&pr.fail);
+    if (!(key_out = key_list(keys, n)) || !(size_out = PyList_New(found))) goto done;
+    for (Py_ssize_t i = 0; i < found; i++) {
+        PyObject *v = PyLong_FromLongLong(sizes[i]);
+        if (!v) goto done;
+        PyList_SetItem(size_out, i, v);
+    }
+    out = PyTuple_Pack(2, key_out, size_out);
+done:
+    Py_XDECREF(key_out);
+    Py_XDECREF(size_out);
+    free(toks);
+    free(keys);
+    free(sizes);
+    free(paths);
+    PyBuffer_Release(&prev);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"link_keys", link_keys, METH_VARARGS, "link_keys(src, dirs, keys, suffix) -> list[int]"},
     {"present_run", present_run, METH_VARARGS, "present_run(dirs, keys, start, suffix) -> list[int]"},
     {"chain_keys", chain_keys, METH_VARARGS, "chain_keys(prev, tokens, start, tokens_per_block, n) -> list[bytes]"},
+    {"chain_present", chain_present, METH_VARARGS,
+     "chain_present(prev, tokens, start, tokens_per_block, n, dirs, suffix) -> (list[bytes], list[int])"},
     {"write_headers", write_headers, METH_VARARGS,
      "write_headers(addrs, fingerprint, keys, parents, sums, payload_len, algo, tokens_per_block, created_ns)"},
     {"clear_headers", clear_headers, METH_O, "clear_headers(addrs)"},

@@ -259,3 +259,45 @@ def test_present_run_splits_a_long_run_and_stops_at_its_first_gap(native_impl, t
         os.mkdir(names[gap])  # a directory under the key's name: not a block file
         assert ops.present_run(dirs, keys, 0, ".blk") == [i % 7 for i in range(gap)]
     assert ops.present_run(dirs, keys, 10, ".blk") == [i % 7 for i in range(10, 520)]
+
+
+@pytest.mark.parametrize("blocks", [1, 40, 1300])
+def test_chain_present_equals_chain_keys_then_present_run(tmp_path, blocks):
+    """The fused call's keys are chain_keys' and its sizes present_run's, wherever the first gap
+    falls: at the first key (a prompt not in the pool), inside the first chunk of 16, or in a
+    chunk taken by one of the other stat threads; a directory or a link under a key's name ends
+    the run as in present_run."""
+    if not native.BUILT:
+        pytest.skip("the C extension is not built here")
+    from gds_kv_connector import _native as lib
+    dirs = tuple(str(tmp_path / f"{b:02x}") for b in range(256))
+    for d in dirs:
+        os.mkdir(d)
+    rng = random.Random(blocks)
+    tokens = [rng.randrange(1 << 40) for _ in range(blocks * 4 + 3)]
+    seed = rng.randbytes(32)
+    keys = lib.chain_keys(seed, tokens, 3, 4, blocks)
+    names = [f"{dirs[k[0]]}/{k.hex()}.blk" for k in keys]
+    for i, name in enumerate(names):
+        with open(name, "wb") as f:
+            f.truncate(i % 5)
+
+    def both():
+        fused = lib.chain_present(seed, tokens, 3, 4, blocks, dirs, ".blk")
+        return fused, (keys, lib.present_run(dirs, keys, 0, ".blk"))
+
+    fused, plain = both()
+    assert fused == plain and len(fused[1]) == blocks
+    for gap in sorted({blocks - 1, blocks // 2, 17, 15, 0}, reverse=True):
+        if gap >= blocks:
+            continue
+        os.remove(names[gap])
+        (os.mkdir if gap % 2 else os.symlink)(*((names[gap],) if gap % 2 else (names[0], names[gap])))
+        fused, plain = both()
+        assert fused == plain and len(fused[1]) == gap
+    with pytest.raises(ValueError):  # too few tokens, as chain_keys
+        lib.chain_present(seed, tokens, 4, 4, blocks, dirs, ".blk")
+    with pytest.raises(TypeError):
+        lib.chain_present(seed, tokens, 3, 4, blocks, dirs[:255], ".blk")
+    with pytest.raises(TypeError):  # a token that is not an int: the hasher and stat threads stop
+        lib.chain_present(seed, tokens[:1] + ["x"] + tokens[2:], 0, 4, blocks, dirs, ".blk")
