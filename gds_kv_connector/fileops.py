@@ -91,6 +91,16 @@ class FileOps:
             out.append(st.st_size)
         return out
 
+    def chain_present(self, prev: bytes, tokens: list[int], tokens_per_block: int, num_blocks: int,
+                      dirs: tuple[str, ...], suffix: str) -> tuple[list[bytes], list[int]] | None:
+        """The keys of ``num_blocks`` blocks of ``tokens`` (``prev``: the key before the first) and
+        :meth:`present_run` over them from the first, in one C call whose stats follow the hashing
+        on other threads; None where it cannot run (the extension is missing, or a subclass
+        overrides :meth:`stat`), and the caller then keys and stats one step after the other."""
+        if type(self).stat is not FileOps.stat:
+            return None
+        return native.chain_present(prev, tokens, 0, tokens_per_block, num_blocks, dirs, suffix)
+
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
 

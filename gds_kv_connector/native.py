@@ -52,6 +52,15 @@ def present_run(dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: st
     return _lib.present_run(dirs, keys, start, suffix)
 
 
+def chain_present(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tokens_per_block: int,
+                  num_blocks: int, dirs: tuple[str, ...], suffix: str) -> tuple[list[bytes], list[int]] | None:
+    """:func:`chain_keys` and :func:`present_run` from the first key, in one C call whose stats
+    follow the hashing on other threads: (keys, sizes); None where the extension is missing."""
+    if _lib is None:
+        return None
+    return _lib.chain_present(prev, tokens, start, tokens_per_block, num_blocks, dirs, suffix)
+
+
 def clear_headers(addrs: Sequence[int]) -> None:
     """Zero each slot's magic, so no reader accepts it while its payload is rewritten."""
     if _lib is not None:

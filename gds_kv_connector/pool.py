@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .fileops import FileOps, read_exact, write_all
+from .keys import chain_from_tokens
 from .pool_format import (MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
                           SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_refs)
 
@@ -39,6 +40,9 @@ TMP_PREFIX = ".tmp-"
 BLOCK_SUFFIX = ".blk"
 STALE_FOREIGN_TMP_S = 3600.0
 KEY_LEN = 32
+# From this many blocks a prompt is keyed and stat'ed in one call (match_chain): the length from
+# which chain_keys already hashes on a second thread (CHAIN_PIPELINE_BLOCKS in csrc/native.c).
+CHAIN_PRESENT_MIN_BLOCKS = 512
 _HOST = socket.gethostname().replace("-", "_")[:40] or "host"
 _REF_KEY = operator.attrgetter("key")
 
@@ -150,8 +154,7 @@ class BlockPool:
         one call (``FileOps.present_run``) and checked as :meth:`contains` checks one.
         """
         now = time.monotonic()
-        index = self._index
-        index_get = index.get
+        index_get = self._index.get
         n = start
         total = len(keys)
         while n < total:
@@ -159,21 +162,49 @@ class BlockPool:
             if expires is not None and expires > now:
                 n += 1
                 continue
-            until = now + self.index_ttl_s
-            sizes = self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX)
-            if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
-                index.update(dict.fromkeys(keys[n:n + len(sizes)], until))
-                n += len(sizes)
-            else:
-                for size in sizes:
-                    if not self._size_ok(size):
-                        break
-                    index[keys[n]] = until
-                    n += 1
-            if n < total:  # keys[n] is missing, or not a block file of this pool
-                index.pop(keys[n], None)
+            n = self._accept_run(keys, n, self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX), now)
             break
         return n - start
+
+    def match_chain(self, prev: bytes, tokens: list[int], tokens_per_block: int,
+                    num_blocks: int) -> tuple[list[bytes], int]:
+        """The keys of the first ``num_blocks`` blocks of ``tokens`` (``prev``: the chain seed) and
+        how many of them, from the first, are in the pool (:meth:`count_present`).
+
+        A prompt of CHAIN_PRESENT_MIN_BLOCKS blocks or more whose first block is not in the index
+        (another process or node saved it, or nobody did) is keyed and stat'ed in one call
+        (``FileOps.chain_present``), the stats following the hashing on other threads instead of
+        waiting for the whole chain; other prompts are keyed, then counted.
+        """
+        if num_blocks >= CHAIN_PRESENT_MIN_BLOCKS:
+            first = chain_from_tokens(prev, tokens, 0, tokens_per_block, 1)
+            now = time.monotonic()
+            if self._index.get(first[0], 0.0) <= now:
+                got = self.ops.chain_present(prev, tokens, tokens_per_block, num_blocks, self._key_dirs, BLOCK_SUFFIX)
+                if got is not None:
+                    return got[0], self._accept_run(got[0], 0, got[1], now)
+            first += chain_from_tokens(first[0], tokens, tokens_per_block, tokens_per_block, num_blocks - 1)
+            return first, self.count_present(first)
+        keys = chain_from_tokens(prev, tokens, 0, tokens_per_block, num_blocks)
+        return keys, self.count_present(keys)
+
+    def _accept_run(self, keys: list[bytes], n: int, sizes: list[int], now: float) -> int:
+        """Index ``keys[n:]`` whose files were found with ``sizes``, up to the first whose size is
+        not one of this pool's, and forget the key where the run ends: the position it ends at."""
+        index = self._index
+        until = now + self.index_ttl_s
+        if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
+            index.update(dict.fromkeys(keys[n:n + len(sizes)], until))
+            n += len(sizes)
+        else:
+            for size in sizes:
+                if not self._size_ok(size):
+                    break
+                index[keys[n]] = until
+                n += 1
+        if n < len(keys):  # keys[n] is missing, or not a block file of this pool
+            index.pop(keys[n], None)
+        return n
 
     def forget(self, key: bytes) -> None:
         self._index.pop(key, None)

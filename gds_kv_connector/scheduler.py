@@ -16,7 +16,7 @@ from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
 from .nvtx_ranges import nvtx_range
-from .pool import BlockPool
+from .pool import CHAIN_PRESENT_MIN_BLOCKS, BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
 from .settings import Settings
@@ -161,13 +161,18 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             limit = (len(st.tokens) - 1) // tpb  # always leave one prompt token to compute
             if first >= limit:
                 return 0, False
-            keys = st.keys_upto(limit, tpb)
+            pools = self._lookup_pools
+            if first == 0 and limit >= CHAIN_PRESENT_MIN_BLOCKS and not st.keys:
+                # a new long prompt: keyed and counted in one step, its stats following its hashing
+                st.keys, n = pools[0].match_chain(st.seed, st.tokens, tpb, limit)
+                keys, pools = st.keys, pools[1:]
+            else:
+                keys, n = st.keys_upto(limit, tpb), limit - first
             self._note_seen(keys)
-            n = limit - first
-            for pool in self._lookup_pools:  # every TP shard must hold the block
-                n = min(n, pool.count_present(keys, first))
+            for pool in pools:  # every TP shard must hold the block
                 if n == 0:
                     break
+                n = min(n, pool.count_present(keys, first))
             m = self._match  # folded into the shared counters once per iteration (build_connector_meta)
             m[0] += 1
             m[1] += n

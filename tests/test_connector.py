@@ -39,6 +39,36 @@ def test_restart_loads_every_full_prompt_block(pool_env):
     assert ex2.worker.stats.snapshot().get("load_failures", 0) == 0
 
 
+def test_restart_loads_a_long_prompt_keyed_and_stat_ed_in_one_call(pool_env, monkeypatch):
+    """A prompt of CHAIN_PRESENT_MIN_BLOCKS blocks or more that a new process finds saved is
+    matched through match_chain's one call (FileOps.chain_present) and loads whole."""
+    from gds_kv_connector import native
+    from gds_kv_connector.pool import CHAIN_PRESENT_MIN_BLOCKS
+
+    calls = []
+    real = FileOps.chain_present
+
+    def spy(self, *args):
+        got = real(self, *args)
+        calls.append(None if got is None else len(got[1]))
+        return got
+
+    monkeypatch.setattr(FileOps, "chain_present", spy)
+    tpb = SHAPE.tokens_per_block
+    prompt = rand_tokens((CHAIN_PRESENT_MIN_BLOCKS + 8) * tpb + 3, 77)
+    cfg = dict(shape=SHAPE, num_blocks=CHAIN_PRESENT_MIN_BLOCKS + 32)
+    ex1 = make_executor(ExecutorConfig(**cfg))
+    serve(ex1, [prompt], max_new_tokens=2)
+    ex1.worker.shutdown()
+    ex2 = make_executor(ExecutorConfig(**cfg))
+    st = serve(ex2, [prompt], max_new_tokens=2, first_id=10)
+    ex2.worker.shutdown()
+    assert ex2.output_tokens(10) == ex1.output_tokens(0)
+    assert st.loaded_tokens == (len(prompt) - 1) // tpb * tpb
+    # the first process found nothing; the second every block (None: the extension is not built)
+    assert calls == ([0, CHAIN_PRESENT_MIN_BLOCKS + 8] if native.BUILT else [None, None])
+
+
 def test_chunked_prefill_and_overlap(pool_env):
     ex1, _, st = _restart_hits(chunk_size=20, overlap=True)
     assert st.loaded_tokens > 0

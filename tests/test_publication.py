@@ -86,3 +86,62 @@ def test_count_present_stats_what_another_process_saved(native_impl, tmp_path):
     assert fresh.count_present(keys) == 6 and fresh.not_indexed(keys[:7]) == [6]
     assert reader.count_present(keys) == 10  # the reader trusts its index within index_ttl_s
     assert fresh.count_present(keys, 7) == 3 and fresh.count_present(keys, 10) == 0
+
+
+def test_match_chain_keys_and_counts_a_prompt_as_chain_then_count_present(native_impl, tmp_path, monkeypatch):
+    """A long prompt whose first block is not indexed is keyed and stat'ed in one call
+    (native.chain_present where built); the keys and the count are those of chain_from_tokens then
+    count_present, on every path: a gap, a file of the wrong size, the first block indexed, a
+    FileOps whose stat is overridden, a short prompt."""
+    import random
+
+    from gds_kv_connector import native
+    from gds_kv_connector.fileops import FileOps
+    from gds_kv_connector.keys import chain_from_tokens
+    from gds_kv_connector.pool import CHAIN_PRESENT_MIN_BLOCKS
+
+    fused = []
+    real = native.chain_present
+
+    def spy(*args):
+        got = real(*args)
+        fused.append(got is not None)
+        return got
+
+    monkeypatch.setattr(native, "chain_present", spy)
+    blocks, tpb, seed = CHAIN_PRESENT_MIN_BLOCKS + 40, 4, os.urandom(32)
+    rng = random.Random(5)
+    tokens = [rng.randrange(32000) for _ in range(blocks * tpb + 1)]
+    keys = chain_from_tokens(seed, tokens, 0, tpb, blocks)
+    writer = BlockPool((str(tmp_path),), FP, 4096, tpb)
+    for k in keys[:blocks - 20]:  # a gap at blocks - 20
+        os.makedirs(writer.dir_for(k), exist_ok=True)
+        with open(writer.path_for(k), "wb") as f:
+            f.truncate(writer.file_size)
+
+    def fresh(ops=None):
+        return BlockPool((str(tmp_path),), FP, 4096, tpb, ops=ops)
+
+    reader = fresh()
+    assert reader.match_chain(seed, tokens, tpb, blocks) == (keys, blocks - 20)
+    assert reader.not_indexed(keys) == list(range(blocks - 20, blocks))  # what it found is indexed
+    assert fused == [native_impl == "c"]
+    os.truncate(writer.path_for(keys[300]), 100)  # not a block file of this pool
+    assert fresh().match_chain(seed, tokens, tpb, blocks) == (keys, 300)
+    assert reader.match_chain(seed, tokens, tpb, blocks) == (keys, blocks - 20)  # first block indexed: its index
+    assert len(fused) == 2  # the indexed reader keyed, then counted
+
+    class Counting(FileOps):
+        calls = 0
+
+        def stat(self, path):
+            Counting.calls += 1
+            return super().stat(path)
+
+    counting = fresh(Counting())
+    Counting.calls = 0
+    assert counting.match_chain(seed, tokens, tpb, blocks) == (keys, 300)
+    assert Counting.calls == blocks - 19 and len(fused) == 2  # every stat (up to the gap) through the override
+    short = CHAIN_PRESENT_MIN_BLOCKS - 1
+    assert fresh().match_chain(seed, tokens, tpb, short) == (keys[:short], 300)
+    assert len(fused) == 2
