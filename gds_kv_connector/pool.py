@@ -176,16 +176,16 @@ class BlockPool:
         (``FileOps.chain_present``), the stats following the hashing on other threads instead of
         waiting for the whole chain; other prompts are keyed, then counted.
         """
-        if num_blocks >= CHAIN_PRESENT_MIN_BLOCKS:
-            first = chain_from_tokens(prev, tokens, 0, tokens_per_block, 1)
-            now = time.monotonic()
-            if self._index.get(first[0], 0.0) <= now:
-                got = self.ops.chain_present(prev, tokens, tokens_per_block, num_blocks, self._key_dirs, BLOCK_SUFFIX)
-                if got is not None:
-                    return got[0], self._accept_run(got[0], 0, got[1], now)
-            first += chain_from_tokens(first[0], tokens, tokens_per_block, tokens_per_block, num_blocks - 1)
-            return first, self.count_present(first)
-        keys = chain_from_tokens(prev, tokens, 0, tokens_per_block, num_blocks)
+        if num_blocks < CHAIN_PRESENT_MIN_BLOCKS:
+            keys = chain_from_tokens(prev, tokens, 0, tokens_per_block, num_blocks)
+            return keys, self.count_present(keys)
+        keys = chain_from_tokens(prev, tokens, 0, tokens_per_block, 1)  # the first block decides
+        now = time.monotonic()
+        if self._index.get(keys[0], 0.0) <= now:
+            got = self.ops.chain_present(prev, tokens, tokens_per_block, num_blocks, self._key_dirs, BLOCK_SUFFIX)
+            if got is not None:
+                return got[0], self._accept_run(got[0], 0, got[1], now)
+        keys += chain_from_tokens(keys[0], tokens, tokens_per_block, tokens_per_block, num_blocks - 1)
         return keys, self.count_present(keys)
 
     def _accept_run(self, keys: list[bytes], n: int, sizes: list[int], now: float) -> int:
