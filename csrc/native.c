@@ -670,9 +670,9 @@ done:
  *
  * chain_keys(prev, tokens, start, tokens_per_block, n) and present_run(dirs, keys, 0, suffix) in one
  * call whose stats overlap the hashing.  It is the match of a long prompt whose first block this
- * process has not indexed (another process or node saved it, or nobody did): hashing its 4096
- * blocks and stat'ing their files each took about 1.5 ms on the H200 host, one after the other
- * (results/h200-9af4386/).  Here the executor thread converts the tokens, one thread hashes behind
+ * process has not indexed (another process or node saved it, or nobody did): on the H200 host the
+ * key chain of its 4096 blocks took 1.45-1.52 ms (results/h200-9af4386/) and the stats of their files
+ * 1.4-2.0 ms after it (results/h200-d9c23a0/).  Here the executor thread converts the tokens, one thread hashes behind
  * it, and up to STAT_THREADS threads take chunks of PROBE_CHUNK keys, in order, as soon as they are
  * hashed, and stat them; none takes a chunk past the lowest key found missing, so a prompt that is
  * not in the pool costs a few stats. */
