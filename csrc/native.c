@@ -475,6 +475,16 @@ static void key_path(char *path, const char **dir_of, const size_t *dir_len, con
     memcpy(p, suffix, suffix_len + 1);
 }
 
+/* The size of key k's block file (named into path), or -1 where it is missing, is not a regular file
+ * or fails to stat: the one lookup present_run and chain_present make per key (links never followed). */
+static long long key_file_size(char *path, const char **dir_of, const size_t *dir_len, const unsigned char *k,
+                               const char *suffix, size_t suffix_len) {
+    struct stat st;
+    key_path(path, dir_of, dir_len, k, suffix, suffix_len);
+    if (lstat(path, &st) || !S_ISREG(st.st_mode)) return -1;
+    return (long long)st.st_size;
+}
+
 /* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
  *
  * Publishes one arena reference file under every key of a save batch (pool.publish_refs), at
@@ -560,13 +570,12 @@ static void *stat_span_run(void *arg) {
     struct stat_span *sp = arg;
     sp->fail = sp->to;
     for (Py_ssize_t i = sp->from; i < sp->to; i++) {
-        struct stat st;
-        key_path(sp->path, sp->dir_of, sp->dir_len, sp->key_at[i], sp->suffix, sp->suffix_len);
-        if (lstat(sp->path, &st) || !S_ISREG(st.st_mode)) {
+        long long size = key_file_size(sp->path, sp->dir_of, sp->dir_len, sp->key_at[i], sp->suffix, sp->suffix_len);
+        if (size < 0) {
             sp->fail = i;
             break;
         }
-        sp->sizes[i] = (long long)st.st_size;
+        sp->sizes[i] = size;
     }
     return NULL;
 }
@@ -642,10 +651,9 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
     }
     Py_ssize_t found = 0;
     for (; found < n && found < STAT_HOLD_GIL; found++) {
-        struct stat st;
-        key_path(path, dir_of, dir_len, key_at[found], suffix, suffix_len);
-        if (lstat(path, &st) || !S_ISREG(st.st_mode)) break;
-        sizes[found] = (long long)st.st_size;
+        long long size = key_file_size(path, dir_of, dir_len, key_at[found], suffix, suffix_len);
+        if (size < 0) break;
+        sizes[found] = size;
     }
     if (found == STAT_HOLD_GIL && found < n) { /* a long run: the rest on threads, the GIL released */
         Py_BEGIN_ALLOW_THREADS
@@ -724,15 +732,15 @@ static void *probe_run(void *arg) {
             else nanosleep(&(struct timespec){0, 20000}, NULL);
         }
         for (long i = lo; i < hi; i++) {
-            struct stat st;
-            key_path(t->path, p->dir_of, p->dir_len, p->job->keys + i * KEY, p->suffix, p->suffix_len);
-            if (lstat(t->path, &st) || !S_ISREG(st.st_mode)) {
+            long long size = key_file_size(t->path, p->dir_of, p->dir_len, p->job->keys + i * KEY, p->suffix,
+                                           p->suffix_len);
+            if (size < 0) {
                 long cur = atomic_load(&p->fail);
                 while (i < cur && !atomic_compare_exchange_weak(&p->fail, &cur, i)) {
                 }
                 return NULL;
             }
-            p->sizes[i] = (long long)st.st_size;
+            p->sizes[i] = size;
         }
     }
 }
@@ -761,12 +769,10 @@ static PyObject *chain_present(PyObject *self, PyObject *args) {
     }
     size_t width = (size_t)tpb * 8;
     struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0, 0};
+    int threads = n / STAT_SPAN_MIN > STAT_THREADS ? STAT_THREADS : n < STAT_SPAN_MIN ? 1 : (int)(n / STAT_SPAN_MIN);
     struct probe_thread pt[STAT_THREADS];
-    struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, 1, pt, {0}, {0}};
+    struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, threads, pt, {0}, {0}};
     for (int t = 0; t < STAT_THREADS; t++) pt[t] = (struct probe_thread){&pr, paths + t * path_cap};
-    pr.threads = (int)(n / STAT_SPAN_MIN);
-    if (pr.threads > STAT_THREADS) pr.threads = STAT_THREADS;
-    if (pr.threads < 1) pr.threads = 1;
     pthread_t hasher;
     int hashing = pthread_create(&hasher, NULL, chain_job_run, &job) == 0;
     int probing = pr.started[0] = pthread_create(&pr.tid[0], NULL, probe_run, &pt[0]) == 0;
