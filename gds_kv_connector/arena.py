@@ -44,7 +44,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -465,6 +465,10 @@ class SlotArena:
 
     def cached_ref(self, key: bytes) -> SlotRef | None:
         return self._where.get(key)
+
+    def remembered(self) -> Mapping[bytes, SlotRef]:
+        """The remembered locations by key, for lookups of a whole batch; never to be changed."""
+        return self._where
 
     def remember(self, ref: SlotRef) -> None:
         self.remember_all((ref,))

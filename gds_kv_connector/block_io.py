@@ -220,19 +220,20 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
     """Pin every key or none; raises LoadFailure for the first that cannot be opened."""
     pins: list[Pin] = []
     try:
-        for key in keys:
-            try:
-                pins.append(pool.pin(key))
-            except FileNotFoundError:
-                pool.forget(key)
-                raise LoadFailure(key, pool.path_for(key), "file vanished before it could be opened") from None
-            except FormatError as exc:  # pool.pin has quarantined the file already
-                raise LoadFailure(key, pool.path_for(key), str(exc)) from None
-            except OSError as exc:
-                raise LoadFailure(key, pool.path_for(key), f"open failed: {exc}") from None
+        try:
+            pool.pin_all(keys, pins)
+        except FileNotFoundError:
+            key = keys[len(pins)]
+            pool.forget(key)
+            raise LoadFailure(key, pool.path_for(key), "file vanished before it could be opened") from None
+        except FormatError as exc:  # pool.pin has quarantined the file already
+            key = keys[len(pins)]
+            raise LoadFailure(key, pool.path_for(key), str(exc)) from None
+        except OSError as exc:
+            key = keys[len(pins)]
+            raise LoadFailure(key, pool.path_for(key), f"open failed: {exc}") from None
     except BaseException:
-        for p in pins:
-            pool.unpin(p)
+        pool.unpin_all(pins)
         raise
     return pins
 

@@ -8,6 +8,7 @@ against fixed bounds and the expected identity and raises :class:`FormatError` n
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import struct
@@ -109,6 +110,7 @@ SLAB_NAME_LEN = 64
 _REF_FIXED = struct.Struct("<8sII32sQ64sI")  # up to and excluding the CRC at offset 124
 _REF_ENTRY = struct.Struct("<32sIIQ")
 _ENTRY_KEY, _ENTRY_SLOT, _ENTRY_CREATED = (operator.attrgetter(f) for f in ("key", "slot", "created_ns"))
+_ROW_KEY, _ROW_SLOT, _ROW_RESERVED, _ROW_CREATED = (operator.itemgetter(i) for i in range(4))  # _REF_ENTRY's
 _SLAB_NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -122,6 +124,10 @@ class SlotRef(NamedTuple):
     slab: str
     slot: int
     created_ns: int
+
+
+# a SlotRef from a (key, slab, slot, created_ns) tuple, made in C (the named tuple's __new__ is Python)
+_new_slot_ref = functools.partial(tuple.__new__, SlotRef)
 
 
 def is_ref_size(size: int) -> bool:
@@ -189,9 +195,11 @@ def parse_refs(raw: bytes, *, fingerprint: bytes, slot_bytes: int) -> dict[bytes
     if b"\0" in slab:
         raise FormatError("slab name has embedded NUL bytes")
     name = check_slab_name(slab.decode("ascii", "replace"))
-    out: dict[bytes, SlotRef] = {}
-    for k, slot, res, created in _REF_ENTRY.iter_unpack(memoryview(raw)[REF_HEADER_SIZE:]):
-        if res != 0:
-            raise FormatError("reserved reference entry field is not zero")
-        out[k] = SlotRef(k, name, slot, created)
-    return out
+    # C iterators, no Python loop: a load through reference files (a block another owner saved)
+    # parses one per save batch on a transfer thread, with the GIL held
+    rows = list(_REF_ENTRY.iter_unpack(memoryview(raw)[REF_HEADER_SIZE:]))
+    if any(map(_ROW_RESERVED, rows)):
+        raise FormatError("reserved reference entry field is not zero")
+    keys = list(map(_ROW_KEY, rows))
+    return dict(zip(keys, map(_new_slot_ref, zip(keys, itertools.repeat(name), map(_ROW_SLOT, rows),
+                                                    map(_ROW_CREATED, rows)))))

@@ -142,8 +142,7 @@ class TransferManager:
                     return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
                                        retries=self.settings.read_retries, deadline=deadline)
                 finally:
-                    for p in pins:
-                        self.pool.unpin(p)
+                    self.pool.unpin_all(pins)
             except LoadFailure as exc:
                 if isinstance(op, _Merged):
                     exc.request_id = op.owner_of(exc.key)

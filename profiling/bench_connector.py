@@ -131,8 +131,7 @@ def load_keys(pool: BlockPool, engine: Any, keys: list[bytes], views: list[torch
         return load_blocks(pool, engine, pins, views, verify=True, retries=retries,
                            deadline=time.monotonic() + timeout_s)
     finally:
-        for p in pins:
-            pool.unpin(p)
+        pool.unpin_all(pins)
 
 
 def save_timing(nbytes: int, secs: float, sync_s: float) -> dict:

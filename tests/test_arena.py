@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import zlib
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from gds_kv_connector.engines.host_dma import coalesce
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import (REF_HEADER_SIZE, ZERO_KEY, FormatError, SlotRef, pack_refs,
-                                          parse_ref)
+                                          parse_ref, parse_refs)
 from gds_kv_connector.settings import Settings, SettingsError
 
 PAYLOAD = 3 * 4096 + 512  # not page-aligned: slots still start on pages
@@ -125,6 +126,29 @@ def test_save_load_and_share_between_owners(shm_root, engine):
     a.arena.close(), b.arena.close()
 
 
+def test_pin_all_pins_remembered_slots_as_pin_does_and_stops_at_a_missing_key(shm_root, engine):
+    a, b = _pool(shm_root, engine, 8, per_slab=8), _pool(shm_root, engine, 8, per_slab=8)
+    mine, theirs, missing = _keys(3, b"mine"), _keys(2, b"theirs"), _keys(1, b"gone")[0]
+    data = _data(5, 7)
+    assert save_blocks(a, engine, mine, [ZERO_KEY] * 3, [data[i] for i in range(3)]).published == 3
+    assert save_blocks(b, engine, theirs, [ZERO_KEY] * 2, [data[i] for i in range(3, 5)]).published == 2
+    assert all(a.arena.cached_ref(k) is not None for k in mine) and a.arena.cached_ref(theirs[0]) is None
+    out: list = []
+    with pytest.raises(FileNotFoundError):
+        a.pin_all(mine[:2] + theirs + [missing] + mine[2:], out)
+    # the pins made before the missing key, each the one pin() makes; b's slots resolved through its file
+    assert [p.key for p in out] == mine[:2] + theirs
+    fields = lambda p: (p.key, p.key_dir, p.fd, p.slot)  # noqa: E731 (ino: the file's on first resolution)
+    assert list(map(fields, out)) == [fields(a.pin(k)) for k in mine[:2] + theirs]
+    assert [p.slot for p in out] == [a.arena.cached_ref(k) for k in mine[:2] + theirs]
+    assert all(p.fd == -1 and p.slot.slab for p in out)
+    with pytest.raises(LoadFailure) as failed:
+        pin_blocks(a, theirs + [missing])
+    assert failed.value.key == missing and failed.value.reason == "file vanished before it could be opened"
+    assert torch.equal(_load(a, engine, mine + theirs), data)
+    a.arena.close(), b.arena.close()
+
+
 def test_lost_race_releases_the_slot(shm_root, engine):
     a, b = _pool(shm_root, engine, 4), _pool(shm_root, engine, 4)
     k, d = _keys(1), _data(1, 2)
@@ -223,6 +247,15 @@ def test_reference_format_is_strict():
         parse_ref(bytes(bad), key=refs[0].key, fingerprint=FP, slot_bytes=8192)
     with pytest.raises(FormatError, match="slab name"):
         pack_refs(FP, 8192, "../x", refs)
+    every = parse_refs(raw, fingerprint=FP, slot_bytes=8192)
+    assert every == {r.key: r for r in refs} and {type(r) for r in every.values()} == {SlotRef}
+    # a set reserved field of the second entry, under a valid checksum, is refused too
+    bad = bytearray(raw)
+    bad[REF_HEADER_SIZE + 48 + 36] = 1
+    fixed = REF_HEADER_SIZE - 4  # the CRC-32 is the header's last 4 bytes
+    bad[fixed:REF_HEADER_SIZE] = zlib.crc32(bad[REF_HEADER_SIZE:], zlib.crc32(bad[:fixed])).to_bytes(4, "little")
+    with pytest.raises(FormatError, match="reserved reference entry"):
+        parse_refs(bytes(bad), fingerprint=FP, slot_bytes=8192)
 
 
 def test_coalesce_joins_consecutive_slots_only():
