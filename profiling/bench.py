@@ -57,7 +57,7 @@ from gds_kv_connector.settings import parse_size  # noqa: E402
 from bench_ceilings import pinned_copy_ceiling, raw_beside, raw_phases, raw_storage_ceiling  # noqa: E402
 from bench_connector import ConnectorRig, median_run, connector_phase  # noqa: E402
 from bench_baselines import baseline_naive_kvikio, baseline_trtllm  # noqa: E402
-from bench_executor import executor_cost, match_time  # noqa: E402
+from bench_executor import executor_cost, match_time, median_executor_run  # noqa: E402
 from bench_overlap import overlap  # noqa: E402
 from bench_report import pool_modes, compute_ratios, evaluate_goals, plot, render_table  # noqa: E402
 
@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-s", type=float, help="time cap per phase (default 10 s, 6 s with --quick)")
     p.add_argument("--budget-s", type=float, help="time budget of the whole run (default 420 s, 150 s with --quick)")
     p.add_argument("--overlap-s", type=float, default=1.5, help="duration of the compute loop (CUDA only)")
-    p.add_argument("--repeat", type=int, default=3, help="connector save/load runs per size and target, fresh "
-                   "keys each; the median run is reported (default 3; 1 with --quick)")
+    p.add_argument("--repeat", type=int, default=3, help="connector save/load runs per size and target (fresh "
+                   "keys each) and executor-cost runs (a fresh pool each); the median run is reported (default 3; "
+                   "1 with --quick)")
     p.add_argument("--shm-files", action="store_true", help="host-memory target as one file per block, "
                    "without the slot arena (TLLM_GDS_KV_ARENA_BYTES unset)")
     p.add_argument("--disk-pool", choices=("files", "arena", "both"), default="files",
@@ -340,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_executor:
                 progress("executor cost")
                 with tracer.rf("bench/executor"):
-                    res["executor"] = guarded("executor cost", lambda: executor_cost(
-                        os.path.join(exec_root, "exec-pool"), device, kvd, tracer, arena_bytes=exec_arena,
-                        new_tokens=args.exec_new_tokens)) \
-                        or {"error": "failed"}
+                    runs = [guarded("executor cost", lambda rep=rep: executor_cost(
+                        os.path.join(exec_root, f"exec-pool-{rep}"), device, kvd, tracer, arena_bytes=exec_arena,
+                        new_tokens=args.exec_new_tokens)) for rep in range(args.repeat)]
+                    res["executor"] = median_executor_run([r for r in runs if r]) or {"error": "failed"}
                 budget.phases_left -= 1
                 step_done()
                 progress("128k match")
@@ -353,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         budget.cap(5.0), arena_bytes=exec_arena)) or {"error": "failed"}
                 budget.phases_left -= 1
                 step_done()
-                for d in ("exec-pool", "match-pool"):
+                for d in [f"exec-pool-{rep}" for rep in range(args.repeat)] + ["match-pool"]:
                     shutil.rmtree(os.path.join(exec_root, d), ignore_errors=True)
 
             # -- overlap

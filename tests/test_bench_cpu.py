@@ -49,6 +49,18 @@ def test_bench_writes_ceilings(bench_result):
     assert res["ceilings"]["pinned_copy"] is None  # no CUDA here
 
 
+def test_executor_runs_report_the_median_run_with_every_runs_figure():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    from bench_executor import median_executor_run
+
+    runs = [{"callback_us_per_iteration": us, "admitted": n} for n, us in enumerate((309.3, 198.9, 275.8))]
+    got = median_executor_run(runs)
+    assert got["admitted"] == 2 and got["callback_us_per_iteration"] == 275.8  # the run itself, not a mix
+    assert got["callback_us_per_iteration_runs"] == [309.3, 198.9, 275.8]  # in the order they ran
+    assert median_executor_run(runs[:2])["callback_us_per_iteration"] == 198.9  # even count: the lower middle
+    assert median_executor_run([]) is None
+
+
 def test_raw_one_file_streams_interleave_their_chunks(tmp_path, monkeypatch):
     """Every byte of the shared file is written once, by the thread whose chunk it is, and read back."""
     sys.path.insert(0, os.path.dirname(BENCH))
@@ -119,6 +131,7 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     assert ex["layer_hook_calls"] > 0 and ex["layer_hook_us_per_call"] > 0
     assert ex["loaded_tokens"] > 0  # the second round hit the pool
     assert ex["max_new_tokens"] == 16  # the default workload; the goal line names it
+    assert ex["callback_us_per_iteration_runs"] == [ex["callback_us_per_iteration"]]  # --quick: one run
     goal = next(g for g in res["goals"] if g["goal"] == "executor callbacks per iteration")
     assert "16 new tokens each" in goal["note"]
     m = res["match"]
