@@ -192,20 +192,17 @@ class BlockPool:
         """Index ``keys[n:]`` whose files were found with ``sizes``, up to the first whose size is
         not one of this pool's, and forget the key where the run ends: the position it ends at."""
         index = self._index
-        if not sizes:  # the usual answer for a new prompt: its first block is not there
-            if n < len(keys):
-                index.pop(keys[n], None)
-            return n
-        until = now + self.index_ttl_s
-        if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
-            index.update(dict.fromkeys(keys[n:n + len(sizes)], until))
-            n += len(sizes)
-        else:
-            for size in sizes:
-                if not self._size_ok(size):
-                    break
-                index[keys[n]] = until
-                n += 1
+        if sizes:  # none is the usual answer for a new prompt: its first block is not there
+            until = now + self.index_ttl_s
+            if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
+                index.update(dict.fromkeys(keys[n:n + len(sizes)], until))
+                n += len(sizes)
+            else:
+                for size in sizes:
+                    if not self._size_ok(size):
+                        break
+                    index[keys[n]] = until
+                    n += 1
         if n < len(keys):  # keys[n] is missing, or not a block file of this pool
             index.pop(keys[n], None)
         return n
