@@ -5,9 +5,10 @@
 Runs ``gds-kv bench BENCH_ARGS`` alternately in this checkout and in ``--base`` (another checkout
 with its own built extension: each leg imports the package of the tree it runs in, which is
 checked before the first leg), ``--pairs`` times, this tree first, and prints every connector row
-(target, pool, direction, block) with each leg's GB/s, both trees' means and their ratio, plus the
-executor's microseconds per iteration and the match time when the bench measured them.  One device
-session's figures move 5-10% from leg to leg (and machines differ more), so a change is shown by
+(target, pool, direction, block) with each leg's GB/s and its percent of that leg's ceilings, both
+trees' means and their ratio, each leg's ceilings, plus the executor's microseconds per iteration
+and the match time when the bench measured them.  One device session's figures move 5-10% from
+leg to leg (and machines differ more), so a change is shown by
 pairs in one command, never by runs of separate sessions; the spread of each tree's legs is
 printed so a gap can be read against it.  Each leg's JSON and log, and ``ab.json`` (the table),
 go to ``--out``.
@@ -62,12 +63,26 @@ def _size(nbytes: int) -> str:
 def _rows(res: dict) -> dict[str, float]:
     """Figures of one leg keyed by what they measure."""
     out = {}
+    ceilings = res.get("ceilings") or {}
+    pinned = ceilings.get("pinned_copy") or {}
+    for way in ("h2d", "d2h"):
+        if pinned.get(f"{way}_GBps") is not None:
+            out[f"ceiling pinned copy {way.upper()} GB/s"] = pinned[f"{way}_GBps"]
+    for target, info in sorted((ceilings.get("storage") or {}).items()):
+        for way in ("write", "read"):
+            best = (info.get(way) or {}).get("best_GBps")
+            if best is not None:  # the ceiling each row's % is taken against: a leg's % moves with it
+                out[f"ceiling {target} raw {way} GB/s"] = best
     for r in res.get("connector", []):
         if r.get("GBps") is None:
             continue
         size = _size(r["block_bytes"])
         name = f"{r['target']} {r.get('pool_mode', '')} {r['direction']} {size}"
         out[f"{name} GB/s"] = r["GBps"]
+        if r.get("ratio_to_ceiling") is not None:
+            out[f"{name} % of the leg's ceiling"] = round(100 * r["ratio_to_ceiling"], 1)
+        if r.get("ratio_to_raw_beside") is not None:
+            out[f"{name} % of the raw leg beside it"] = round(100 * r["ratio_to_raw_beside"], 1)
         gc_runs = [g for g in r.get("gc_runs") or () if g]
         if gc_runs:  # Python's cyclic GC pauses every thread: a gap in GB/s may be a collection moved
             out[f"{name} GC ms, all runs (lower is better)"] = round(sum(g["ms"] for g in gc_runs), 2)

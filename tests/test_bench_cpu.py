@@ -272,6 +272,21 @@ def test_ab_rows_carry_each_phases_gc_pause_time():
                              "shm arena save 256K GC ms, all runs (lower is better)": 3.25}
 
 
+def test_ab_rows_carry_each_legs_ceilings_and_the_rows_percent_of_them():
+    """Disk legs' ceilings move run to run: a leg's GB/s is read against its own ceiling and raw leg."""
+    ab = _ab()
+    res = {"ceilings": {"pinned_copy": {"h2d_GBps": 55.1, "d2h_GBps": 55.2},
+                        "storage": {"disk": {"write": {"best_GBps": 2.6}, "read": {"best_GBps": 1.3}}}},
+           "connector": [{"target": "disk", "pool_mode": "arena on disk", "direction": "save",
+                          "block_bytes": 10 << 20, "GBps": 2.2, "ratio_to_ceiling": 0.84615,
+                          "ratio_to_raw_beside": 1.1578}]}
+    assert ab._rows(res) == {"ceiling pinned copy H2D GB/s": 55.1, "ceiling pinned copy D2H GB/s": 55.2,
+                             "ceiling disk raw write GB/s": 2.6, "ceiling disk raw read GB/s": 1.3,
+                             "disk arena on disk save 10M GB/s": 2.2,
+                             "disk arena on disk save 10M % of the leg's ceiling": 84.6,
+                             "disk arena on disk save 10M % of the raw leg beside it": 115.8}
+
+
 def test_ab_refuses_a_base_that_would_import_another_checkouts_package(tmp_path):
     ab = _ab()
     with pytest.raises(SystemExit, match="not from that tree"):
@@ -306,9 +321,13 @@ def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
     modes = {name[len("shm "):-len(" save 256K GB/s")] for name in rows if name.endswith(" save 256K GB/s")}
     assert len(modes) == 1, sorted(rows)  # the pool kind --shm-dir gives (block files on a plain tmp dir)
     mode = modes.pop()
-    assert {n for n in rows if n.endswith("GB/s")} == {f"shm {mode} save 256K GB/s", f"shm {mode} load 256K GB/s"}
-    assert {n for n in rows if not n.endswith("GB/s")} <= {f"shm {mode} {d} 256K GC ms, all runs (lower is better)"
-                                                           for d in ("save", "load")}, sorted(rows)
+    ceilings = {n for n in rows if n.startswith("ceiling ")}
+    assert ceilings == {"ceiling shm raw write GB/s", "ceiling shm raw read GB/s"}, sorted(rows)  # no CUDA: no pinned
+    assert {n for n in rows if n.endswith("GB/s")} - ceilings == {f"shm {mode} save 256K GB/s",
+                                                                  f"shm {mode} load 256K GB/s"}
+    assert {n for n in rows if not n.endswith("GB/s")} <= {f"shm {mode} {d} 256K {what}" for d in ("save", "load")
+                                                           for what in ("GC ms, all runs (lower is better)",
+                                                                        "% of the leg's ceiling")}, sorted(rows)
     for t in res["table"]:
         assert len(t[res["this"]]) == 1 and len(t[res["base"]]) == 1
         assert t["ratio"] > 0 if t["figure"].endswith("GB/s") else t["ratio"] is None or t["ratio"] >= 0
