@@ -303,40 +303,25 @@ def test_a_header_that_does_not_fill_the_pages_before_the_payload_fails_its_item
     io.close()
 
 
-def test_plan_runs_joins_slots_that_sit_end_to_end_in_one_file():
+def test_plan_runs_joins_adjacent_slots_of_one_file_up_to_the_io_limit():
     from gds_kv_connector.engines.staged_files import plan_runs
 
     pitch = 3 * PAGE
     # four adjacent slots of fd 5, then a gap, then fd 6, then fd 6 again adjacent
     spans = [(5, 0, pitch), (5, pitch, pitch), (5, 2 * pitch, pitch), (5, 3 * pitch, pitch),
              (5, 5 * pitch, pitch), (6, 6 * pitch, pitch), (6, 7 * pitch, pitch)]
-    assert plan_runs(spans, pitch) == [(0, 4), (4, 5), (5, 7)]
+    assert plan_runs(spans, pitch, 1 << 30) == [(0, 4), (4, 5), (5, 7)]
+    assert plan_runs(spans, pitch, 2 * pitch) == [(0, 2), (2, 4), (4, 5), (5, 7)]
+    assert plan_runs(spans, pitch, 1) == [(k, k + 1) for k in range(7)]  # a slot larger than the limit goes alone
     # a slot shorter than the pitch (a smaller block) ends its run: the next one is not beside it in the stage
-    assert plan_runs([(5, 0, PAGE), (5, PAGE, pitch)], pitch) == [(0, 1), (1, 2)]
-    assert plan_runs([], pitch) == []
-
-
-def test_split_run_cuts_even_page_aligned_ios_no_larger_than_the_limit():
-    from gds_kv_connector.engines.staged_files import split_run
-
-    mib = 1 << 20
-    assert split_run(10 * PAGE, 4 * PAGE) == [(0, 4 * PAGE), (4 * PAGE, 7 * PAGE), (7 * PAGE, 10 * PAGE)]
-    assert split_run(4 * PAGE, 4 * PAGE) == [(0, 4 * PAGE)]
-    assert split_run(PAGE, 4 * mib) == [(0, PAGE)]
-    assert split_run(3 * PAGE, 1) == [(0, PAGE), (PAGE, 2 * PAGE), (2 * PAGE, 3 * PAGE)]  # never below a page
-    for nbytes in (10 * mib + PAGE, 28 * (9 * mib // 4 + PAGE), 64 * mib, 5 * PAGE):
-        windows = split_run(nbytes, 4 * mib)
-        sizes = [hi - lo for lo, hi in windows]
-        assert windows[0][0] == 0 and windows[-1][1] == nbytes
-        assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))  # end to end, nothing skipped
-        assert all(n % PAGE == 0 and 0 < n <= 4 * mib for n in sizes)
-        assert max(sizes) - min(sizes) <= PAGE and len(windows) == -(-nbytes // (4 * mib))
+    assert plan_runs([(5, 0, PAGE), (5, PAGE, pitch)], pitch, 1 << 30) == [(0, 1), (1, 2)]
+    assert plan_runs([], pitch, 1 << 30) == []
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_adjacent_slots_of_one_file_move_as_runs_of_even_ios_each_way(tmp_path, direct):
-    """Arena slabs on disk: slots saved together are written and read as one run each, cut into
-    even I/Os no larger than the limit, each slot keeping its own header and payload at slot * slot_bytes."""
+def test_adjacent_slots_of_one_file_move_in_one_io_each_way(tmp_path, direct):
+    """Arena slabs on disk: slots saved together are written and read with one I/O per run,
+    each slot keeping its own header and payload at slot * slot_bytes."""
     reg = _Registry()
     ops = _Counting() if direct else type("_CountingNoDirect", (_Counting, _NoDirect), {})()
     payload = 2 * PAGE
@@ -350,12 +335,10 @@ def test_adjacent_slots_of_one_file_move_as_runs_of_even_ios_each_way(tmp_path, 
         os.ftruncate(fd, 10 * slot)
         data = torch.randint(0, 256, (n, payload), dtype=torch.uint8)
         headers = [bytes([0x60 + i]) * HEADER for i in range(n)]
-        slots = [1, 2, 3, 4, 5, 8, 9]  # a run of five, a gap, a run of two
+        slots = [1, 2, 3, 4, 5, 8, 9]  # a run of five (cut to three + two by the limit), a gap, a run of two
         errors = io.write([TransferItem(fd, s * slot + HEADER, data[i], headers[i]) for i, s in enumerate(slots)])
         assert errors == [None] * n
-        # the run of five slots (fifteen pages) goes as two I/Os of eight and seven pages, the run of two as one
-        ios = [(1 * slot, 8 * PAGE), (1 * slot + 8 * PAGE, 7 * PAGE), (8 * slot, 2 * slot)]
-        assert sorted(ops.pwrites) == ios
+        assert sorted(ops.pwrites) == [(1 * slot, 3 * slot), (4 * slot, 2 * slot), (8 * slot, 2 * slot)]
         raw = open(path, "rb").read()
         for i, s in enumerate(slots):
             assert raw[s * slot:(s + 1) * slot] == headers[i] + data[i].numpy().tobytes()
@@ -364,56 +347,10 @@ def test_adjacent_slots_of_one_file_move_as_runs_of_even_ios_each_way(tmp_path, 
         got = [bytearray(HEADER) for _ in range(n)]
         errors = io.read([TransferItem(fd, s * slot + HEADER, back[i], got[i]) for i, s in enumerate(slots)])
         assert errors == [None] * n
-        assert sorted(ops.preads) == ios
+        assert sorted(ops.preads) == [(1 * slot, 3 * slot), (4 * slot, 2 * slot), (8 * slot, 2 * slot)]
         assert [bytes(g) for g in got] == headers and torch.equal(back, data)
     finally:
         os.close(fd)
-        io.close()
-
-
-def test_ios_cut_inside_headers_payloads_and_padding_keep_every_byte(tmp_path):
-    """The I/O limit cuts runs wherever its page count falls: through a three-page header (its
-    halves written and read back by two I/Os), a payload and its zero padding, and through a single
-    block file larger than the limit."""
-    reg = _Registry()
-    ops = _Counting()
-    lead, payload = 3 * PAGE, 3 * PAGE + 100
-    slot = lead + align_up(payload, PAGE)  # seven pages
-    io = StagedFileIo(_to_host, _from_host, reg.register, reg.unregister, io_threads=3, stage_bytes=1 << 20,
-                      ops=ops, max_io_bytes=5 * PAGE)
-    slab = os.path.join(str(tmp_path), "slab")
-    big = os.path.join(str(tmp_path), "big")
-    fd = os.open(slab, os.O_RDWR | os.O_CREAT, 0o600)
-    fd_big = os.open(big, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, 4 * slot)
-        os.ftruncate(fd_big, 3 * PAGE + 10 * PAGE)
-        data = torch.randint(0, 256, (4, payload), dtype=torch.uint8)
-        big_data = torch.randint(0, 256, (10 * PAGE,), dtype=torch.uint8)
-        headers = [bytes(range(i, i + 200)) * (lead // 200) + bytes([i]) * (lead % 200) for i in range(5)]
-        items = [TransferItem(fd, s * slot + lead, data[s], headers[s]) for s in range(4)]
-        assert io.write(items) == [None] * 4  # apart from the big block: a batch's stage pitch is its largest slot
-        assert io.write([TransferItem(fd_big, lead, big_data, headers[4])]) == [None]
-        # the slab's 28 pages as 5+5+5+5+4+4 (one cut at page 15, inside slot 2's header, pages 14-16);
-        # the 13-page block file as 5+4+4
-        pages = [(lo // PAGE, n // PAGE) for lo, n in sorted(ops.pwrites)]
-        assert sorted(pages) == sorted([(0, 5), (5, 5), (10, 5), (15, 5), (20, 4), (24, 4), (0, 5), (5, 4), (9, 4)])
-        raw = open(slab, "rb").read()
-        for s in range(4):
-            want = headers[s] + data[s].numpy().tobytes() + bytes(slot - lead - payload)
-            assert raw[s * slot:(s + 1) * slot] == want
-        assert open(big, "rb").read() == headers[4] + big_data.numpy().tobytes()
-        back = torch.zeros_like(data)
-        big_back = torch.zeros_like(big_data)
-        got = [bytearray(lead) for _ in range(5)]
-        assert io.read([TransferItem(fd, s * slot + lead, back[s], got[s]) for s in range(4)]) == [None] * 4
-        assert io.read([TransferItem(fd_big, lead, big_back, got[4])]) == [None]
-        assert [bytes(g) for g in got] == headers
-        assert torch.equal(back, data) and torch.equal(big_back, big_data)
-        assert max(n for _, n in ops.preads) <= 5 * PAGE
-    finally:
-        os.close(fd)
-        os.close(fd_big)
         io.close()
 
 

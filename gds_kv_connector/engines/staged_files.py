@@ -7,10 +7,7 @@ coalesced DMA (55 GB/s on the H200 host) into page-aligned staging slots, then e
 written with one O_DIRECT ``pwrite`` on an I/O thread: its header page (``TransferItem.header``),
 payload and zero padding together, so a block costs the disk one write and, loading, one read.
 Items that sit end to end in one file (arena slots of a slab on disk, saved or loaded together)
-form one run, and every run is cut into even, page-aligned I/Os of at most 4 MiB whatever the block
-size (a 10 MiB block goes as three, twenty-eight 2.25 MiB slots as sixteen), so each block size
-reaches the disk at the I/O size its raw ceiling was best at, and the I/O threads share a chunk's
-bytes evenly.  Loads run the same in reverse.  The file layout is unchanged
+share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged
 (payload at ``HEADER_SIZE``, zero padding to a page), so files written either way are read
 either way.  A filesystem that refuses O_DIRECT (tmpfs on older kernels) gets the same writes
 through the plain descriptor.
@@ -37,10 +34,10 @@ from ..pool_format import PAGE, align_up
 from .base import TransferItem
 
 DEFAULT_STAGE_BYTES = 64 << 20
-# Largest single O_DIRECT I/O: the H200 host's ext4 disk peaked with a few 4 MiB streams (issue 7).
-# On an H100 host, blocks moved as 3-4 MiB I/Os saved at 93-99% of the raw ceiling, 2.25 and 10 MiB
-# ones at 80-84%, and letting three 2.25 MiB slots share a 6.75 MiB write was slower still (x0.82,
-# profiling/results/h100-aca1c25/ab-disk.log).
+# Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
+# streams (issue 7), and a bigger I/O would leave the other I/O threads idle.  On an H100 host, 8 MiB
+# (three 2.25 MiB slots a write) saved x0.82 of this, and cutting every run into even I/Os of at most
+# 4 MiB (10 MiB blocks as three) gained nothing (profiling/results/h100-aca1c25/, h100-a3a81e1/).
 DEFAULT_MAX_IO_BYTES = 4 << 20
 # O_DIRECT is refused at open by filesystems without it; the plain descriptor is used then.
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -61,66 +58,41 @@ def plan_chunks(sizes: list[int], stage_bytes: int) -> tuple[int, list[range]]:
     return pitch, [range(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
 
-def plan_runs(spans: list[tuple[int, int, int]], pitch: int) -> list[tuple[int, int]]:
-    """(fd, file offset, bytes) of consecutive stage slots -> [lo, hi) ranges that sit end to end
-    both in the stage and in one file.
+def plan_runs(spans: list[tuple[int, int, int]], pitch: int, max_io_bytes: int) -> list[tuple[int, int]]:
+    """(fd, file offset, bytes) of consecutive stage slots -> [lo, hi) ranges moved by one I/O each.
 
     Items join a run when they are the same file, each starts where the one before ends on disk,
-    and each but the last fills its stage slot (so they sit end to end in the stage too).  Block
-    files never join (one descriptor each); slots of one arena slab saved together do.
+    and each but the last fills its stage slot (so they sit end to end in the stage too), up to
+    ``max_io_bytes`` a run.  Block files never join (one descriptor each); slots of one arena slab
+    saved together do, so 256 KiB blocks reach the disk as 4 MiB writes instead of 256 KiB ones.
     """
     runs: list[tuple[int, int]] = []
-    lo = 0
-    for k in range(1, len(spans)):
-        pfd, pstart, pspan = spans[k - 1]
-        fd, start, _ = spans[k]
-        if fd != pfd or start != pstart + pspan or pspan != pitch:
-            runs.append((lo, k))
-            lo = k
+    lo, run_bytes = 0, 0
+    for k, (fd, start, span) in enumerate(spans):
+        if k > lo:
+            pfd, pstart, pspan = spans[k - 1]
+            if fd != pfd or start != pstart + pspan or pspan != pitch or run_bytes + span > max_io_bytes:
+                runs.append((lo, k))
+                lo, run_bytes = k, 0
+        run_bytes += span
     if spans:
         runs.append((lo, len(spans)))
     return runs
 
 
-def split_run(nbytes: int, max_io_bytes: int) -> list[tuple[int, int]]:
-    """[lo, hi) byte windows of a run of ``nbytes`` (whole pages): as few I/Os as ``max_io_bytes``
-    allows, their page counts differing by one at most, so no I/O thread is left with a short tail."""
-    pages = -(-nbytes // PAGE)
-    count = max(1, -(-pages // max(1, max_io_bytes // PAGE)))
-    step, extra = divmod(pages, count)
-    windows, lo = [], 0
-    for k in range(count):
-        hi = min(nbytes, lo + (step + (k < extra)) * PAGE)
-        windows.append((lo, hi))
-        lo = hi
-    return windows
-
-
 @dataclass
 class _Job:
-    """One I/O: bytes [lo, hi) of a run whose items sit ``pitch`` apart in the stage and in one
-    file, each its header then payload; ``buf`` is the stage's view of those bytes."""
+    """One I/O: ``buf`` holds the items end to end (``pitch`` apart), each its header then payload."""
 
     items: list[TransferItem]
     leads: list[int]
     sizes: list[int]
-    pitch: int
-    lo: int
-    hi: int
     buf: memoryview
+    pitch: int
 
     @property
     def start(self) -> int:
-        return self.items[0].offset - self.leads[0] + self.lo
-
-    def covered(self) -> range:
-        """The run's items with bytes in this I/O."""
-        return range(self.lo // self.pitch, (self.hi - 1) // self.pitch + 1)
-
-    def clip(self, at: int, end: int) -> tuple[int, int]:
-        """Run bytes [at, end) limited to this I/O's window (empty when outside it)."""
-        lo, hi = max(at, self.lo), min(end, self.hi)
-        return lo, max(lo, hi)
+        return self.items[0].offset - self.leads[0]
 
 
 class _Stage:
@@ -200,26 +172,17 @@ class StagedFileIo:
                     for i in chunk:
                         results[i] = exc
                     continue
-            runs = plan_runs([(items[i].fd, items[i].offset - leads[i], spans[i]) for i in chunk], pitch)
-            jobs, owners = [], []
-            for lo, hi in runs:
-                members = chunk[lo:hi]
-                run_items = [items[i] for i in members]
-                run_leads = [leads[i] for i in members]
-                run_sizes = [sizes[i] for i in members]
-                base, total = lo * pitch, (hi - lo - 1) * pitch + spans[members[-1]]
-                for at, end in split_run(total, self._max_io_bytes):
-                    job = _Job(run_items, run_leads, run_sizes, pitch, at, end,
-                               stage.view[base + at:base + end])
-                    jobs.append(job)
-                    owners.append([members[k] for k in job.covered()])
+            runs = plan_runs([(items[i].fd, items[i].offset - leads[i], spans[i]) for i in chunk], pitch,
+                             self._max_io_bytes)
+            jobs = [_Job([items[i] for i in chunk[lo:hi]], [leads[i] for i in chunk[lo:hi]],
+                         [sizes[i] for i in chunk[lo:hi]],
+                         stage.view[lo * pitch:(hi - 1) * pitch + spans[chunk[hi - 1]]], pitch)
+                    for lo, hi in runs]
             fn = self._write_one if write else self._read_one
-            job_errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
-            for members, err in zip(owners, job_errors):
-                if err is not None:
-                    for i in members:  # an item fails with the first failed I/O that holds its bytes
-                        results[i] = results[i] or err
-            errors = [results[i] for i in chunk]
+            run_errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
+            errors = [err for (lo, hi), err in zip(runs, run_errors) for _ in range(hi - lo)]
+            for i, err in zip(chunk, errors):
+                results[i] = err
             if not write:
                 ok = [pair for pair, err in zip(pairs, errors) if err is None]
                 try:
@@ -254,17 +217,14 @@ class StagedFileIo:
             return -1
 
     def _write_one(self, job: _Job) -> BaseException | None:
-        buf, base = job.buf, job.lo
+        buf = job.buf
         try:
-            for k in job.covered():
-                item, lead, nbytes = job.items[k], job.leads[k], job.sizes[k]
-                at = k * job.pitch
-                lo, hi = job.clip(at, at + lead)
-                if hi > lo:
-                    buf[lo - base:hi - base] = memoryview(item.header)[lo - at:hi - at]
-                lo, hi = job.clip(at + lead + nbytes, at + lead + align_up(nbytes, PAGE))
-                if hi > lo:
-                    buf[lo - base:hi - base] = bytes(hi - lo)  # the zero padding readers expect
+            for k, (item, lead, nbytes) in enumerate(zip(job.items, job.leads, job.sizes)):
+                at, end = k * job.pitch, min(len(buf), (k + 1) * job.pitch)
+                if lead:
+                    buf[at:at + lead] = item.header
+                if end > at + lead + nbytes:
+                    buf[at + lead + nbytes:end] = bytes(end - at - lead - nbytes)  # the zero padding readers expect
             fd = job.items[0].fd
             dfd = self._direct_fd(fd, os.O_WRONLY)
             try:
@@ -287,8 +247,7 @@ class StagedFileIo:
             fd = job.items[0].fd
             dfd = self._direct_fd(fd, os.O_RDONLY)
             start = job.start
-            last = len(job.items) - 1
-            need = min(job.hi, last * job.pitch + job.leads[-1] + job.sizes[-1]) - job.lo
+            need = (len(job.items) - 1) * job.pitch + job.leads[-1] + job.sizes[-1]
             try:
                 done = 0
                 while done < need:
@@ -300,11 +259,9 @@ class StagedFileIo:
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
-            for k in job.covered():
-                at = k * job.pitch
-                lo, hi = job.clip(at, at + job.leads[k])
-                if hi > lo:
-                    job.items[k].header[lo - at:hi - at] = buf[lo - job.lo:hi - job.lo]
+            for k, (item, lead) in enumerate(zip(job.items, job.leads)):
+                if lead:
+                    item.header[:] = buf[k * job.pitch:k * job.pitch + lead]
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
             return exc
