@@ -14,7 +14,7 @@ import torch
 
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.pool_format import ZERO_KEY
-from bench_common import KvikioDefaults, MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK, Tracer, rand_bytes
+from bench_common import GC, KvikioDefaults, MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK, Tracer, rand_bytes
 
 
 @contextlib.contextmanager
@@ -80,8 +80,10 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
                     _step()
                     _per.append(ex.stats.callback_s - c0)
                 ex.step = timed_step
+                gc_mark = GC.mark()
                 with tracer.rf(f"bench/executor/round{r}"):
                     ex.run_until_done()
+                gc_round = GC.since(gc_mark)
                 ex.step = step
                 now = ex.stats
                 d = {k: getattr(now, k) - getattr(before, k) for k in vars(now)}
@@ -90,6 +92,7 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
                 d["sync_load_wait_s"] = (worker.stats.snapshot().get("sync_load_wait_us", 0) - wait_before) / 1e6
                 totals.sync_load_wait_s = getattr(totals, "sync_load_wait_s", 0.0) + d["sync_load_wait_s"]
                 summary = _exec_summary(d, what)
+                summary["gc"] = gc_round  # a collection pauses the executor thread, in a callback or not
                 rest = sorted(per_iter[1:]) or [0.0]
                 summary["iteration_us"] = {  # the admission iteration apart from the steady ones after it
                     "first": round(1e6 * per_iter[0], 1) if per_iter else None,
@@ -109,13 +112,24 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
 def median_executor_run(runs: list[dict]) -> dict | None:
     """The run with the median callback time per iteration, with every run's figure beside it: on one
     GPU host two single runs gave 276 and 309 us (profiling/results/h100-90248eb/), their admission
-    iterations 1.9 and 5.1 ms."""
+    iterations 1.9 and 5.1 ms, and three runs on another 261, 179 and 709 (h100-aca1c25/).  Each run's
+    admission iterations and cyclic-GC time go beside its figure, so an outlier says which it was."""
     if not runs:
         return None
     ordered = sorted(runs, key=lambda r: r["callback_us_per_iteration"])
     out = dict(ordered[(len(ordered) - 1) // 2])
     out["callback_us_per_iteration_runs"] = [r["callback_us_per_iteration"] for r in runs]
+    out["runs_detail"] = [_run_detail(r) for r in runs]
     return out
+
+
+def _run_detail(run: dict) -> dict:
+    rounds = run.get("rounds", [])
+    gcs = [x.get("gc") or {"collections": [0, 0, 0], "ms": 0.0} for x in rounds]
+    return {"callback_us_per_iteration": run["callback_us_per_iteration"],
+            "first_iteration_us": [(x.get("iteration_us") or {}).get("first") for x in rounds],
+            "gc_collections": [sum(g["collections"][k] for g in gcs) for k in range(3)],
+            "gc_ms": round(sum(g["ms"] for g in gcs), 2)}
 
 
 def _exec_summary(d: dict, what: str) -> dict:

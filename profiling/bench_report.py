@@ -230,6 +230,11 @@ def render_table(res: dict) -> str:
         if len(runs) > 1:
             L.append(f"Executor thread: {len(runs)} runs, us/iteration {', '.join(f'{r:.1f}' for r in runs)}; the "
                      f"median run:")
+            for k, d in enumerate(ex.get("runs_detail") or []):
+                firsts = " / ".join("-" if f is None else f"{f / 1e3:.1f}" for f in d["first_iteration_us"])
+                L.append(f"  run {k + 1}: {d['callback_us_per_iteration']:.1f} us/iteration, admission iterations "
+                         f"{firsts} ms, cyclic GC {d['gc_ms']:.1f} ms ({sum(d['gc_collections'])} collections, "
+                         f"{d['gc_collections'][2]} full)")
         L.append(f"Executor thread ({ex['requests_per_batch']}-request batch, {ex['num_layers']} layers): "
                  f"{ex['callback_us_per_iteration']:.1f} us/iteration over {ex['iterations']} iterations "
                  f"({ex['callback_us_per_busy_iteration']:.1f} us per busy iteration), "

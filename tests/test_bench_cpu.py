@@ -53,10 +53,21 @@ def test_executor_runs_report_the_median_run_with_every_runs_figure():
     sys.path.insert(0, os.path.dirname(BENCH))
     from bench_executor import median_executor_run
 
-    runs = [{"callback_us_per_iteration": us, "admitted": n} for n, us in enumerate((309.3, 198.9, 275.8))]
+    def rounds(first_ms, gc):
+        return [{"iteration_us": {"first": 1e3 * f}, "gc": {"collections": c, "ms": ms}}
+                for f, (c, ms) in zip(first_ms, gc)]
+
+    runs = [{"callback_us_per_iteration": us, "admitted": n, "rounds": r} for n, (us, r) in enumerate((
+        (309.3, rounds((5.1, 2.0), (([1, 0, 0], 0.5), ([0, 0, 1], 40.0)))),
+        (198.9, rounds((1.9, 1.5), (([0, 0, 0], 0.0), ([0, 0, 0], 0.0)))),
+        (275.8, rounds((2.2, 1.8), (([2, 1, 0], 1.25), ([1, 0, 0], 0.5))))))]
     got = median_executor_run(runs)
     assert got["admitted"] == 2 and got["callback_us_per_iteration"] == 275.8  # the run itself, not a mix
     assert got["callback_us_per_iteration_runs"] == [309.3, 198.9, 275.8]  # in the order they ran
+    # each run's admission iterations and GC beside its figure: the slow one paused for a full collection
+    assert got["runs_detail"][0] == {"callback_us_per_iteration": 309.3, "first_iteration_us": [5100.0, 2000.0],
+                                     "gc_collections": [1, 0, 1], "gc_ms": 40.5}
+    assert got["runs_detail"][2]["gc_collections"] == [3, 1, 0] and got["runs_detail"][2]["gc_ms"] == 1.75
     assert median_executor_run(runs[:2])["callback_us_per_iteration"] == 198.9  # even count: the lower middle
     assert median_executor_run([]) is None
 
@@ -132,6 +143,9 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     assert ex["loaded_tokens"] > 0  # the second round hit the pool
     assert ex["max_new_tokens"] == 16  # the default workload; the goal line names it
     assert ex["callback_us_per_iteration_runs"] == [ex["callback_us_per_iteration"]]  # --quick: one run
+    detail, = ex["runs_detail"]
+    assert len(detail["first_iteration_us"]) == 2 and all(f > 0 for f in detail["first_iteration_us"])
+    assert all(set(x["gc"]) == {"collections", "ms"} for x in ex["rounds"])
     goal = next(g for g in res["goals"] if g["goal"] == "executor callbacks per iteration")
     assert "16 new tokens each" in goal["note"]
     m = res["match"]
