@@ -180,7 +180,11 @@ def render_table(res: dict) -> str:
     L.append("Ceilings (GB/s = 1e9 B/s)")
     p = res["ceilings"].get("pinned_copy")
     if p:
-        L.append(f"  pinned copy          H2D {p['h2d_GBps']:8.2f}   D2H {p['d2h_GBps']:8.2f}")
+        line = f"  pinned copy          H2D {p['h2d_GBps']:8.2f}   D2H {p['d2h_GBps']:8.2f}"
+        if p.get("h2d_GBps_runs"):
+            line += (f"   (best of before and after the phases: H2D {' / '.join(f'{v:.2f}' for v in p['h2d_GBps_runs'])}, "
+                     f"D2H {' / '.join(f'{v:.2f}' for v in p['d2h_GBps_runs'])})")
+        L.append(line)
     else:
         L.append("  pinned copy          (no CUDA)")
     for t, r in res["ceilings"]["storage"].items():
