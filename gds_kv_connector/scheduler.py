@@ -16,7 +16,7 @@ from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
 from .nvtx_ranges import nvtx_range
-from .pool import CHAIN_PRESENT_MIN_BLOCKS, BlockPool
+from .pool import BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
 from .settings import Settings
@@ -162,8 +162,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             if first >= limit:
                 return 0, False
             pools = self._lookup_pools
-            if first == 0 and limit >= CHAIN_PRESENT_MIN_BLOCKS and not st.keys:
-                # a new long prompt: keyed and counted in one step, its stats following its hashing
+            if first == 0 and not st.keys:
+                # a new prompt: keyed and counted by the pool, a long one in one step (match_chain)
                 st.keys, n = pools[0].match_chain(st.seed, st.tokens, tpb, limit)
                 keys, pools = st.keys, pools[1:]
             else:
