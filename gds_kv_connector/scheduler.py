@@ -302,8 +302,13 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         keys = st.keys_upto(full, tpb)
         lo, hi = st.load_range
         ids = st.block_ids
-        sel = [b for b in range(start, full) if ids[b] >= 0 and not lo <= b < hi]
         st.next_save = full
+        if (hi <= start or lo >= full) and not self._min_seen and min(ids[start:full]) >= 0:
+            # the usual case, every block of the run: slices, not a selection per block
+            st.dispatched = True
+            return SaveOp(st.rid, tuple(keys[start:full]),
+                          (keys[start - 1] if start else ZERO_KEY, *keys[start:full - 1]), tuple(ids[start:full]))
+        sel = [b for b in range(start, full) if ids[b] >= 0 and not lo <= b < hi]
         if self._min_seen:
             admitted = [b for b in sel if self._admit(keys[b])]
             if len(admitted) < len(sel):

@@ -9,6 +9,7 @@ event that orders it after the forward stream, then moves bytes through the pool
 from __future__ import annotations
 
 import collections
+from itertools import chain
 import logging
 import queue
 import threading
@@ -38,17 +39,23 @@ MERGE_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
-class _Job:
-    """One request's part of a batch; requests merged into one batch share its future."""
+class _Batch:
+    """One future's work: the ops of one or more requests merged by ``_batches``.
 
-    rid: int
-    kind: str  # "load" or "save"
+    The executor thread makes one per batch, not one per request: a 64-request prefill is a few
+    batches, and each request is tracked only by a count of its batches in flight."""
+
+    kind: str  # "save", "load" (asynchronous) or "sync" (a synchronous load)
     future: Future
     accepted: float
+    ops: list[Any]
     nbytes: int
-    first_key: bytes
-    lead: bool = True  # the batch's outcome (a SaveOutcome) is accounted through its lead job only
-    shared: bool = False  # the future belongs to a batch of several requests
+
+    @property
+    def shared(self) -> bool:
+        """More than one request rides in it, so cancelling one must not drop it."""
+        rid = self.ops[0].request_id
+        return any(op.request_id != rid for op in self.ops)
 
 
 class ConnectorFailure(RuntimeError):
@@ -71,8 +78,11 @@ class TransferManager:
         for _ in range(settings.transfer_threads):
             self._exec.submit(started.wait)
         started.wait()
-        self._jobs: dict[int, list[_Job]] = {}
-        self._sync_loads: list[_Job] = []
+        self._inflight: list[_Batch] = []  # in submission order, so by acceptance time
+        self._pending: dict[int, int] = {}  # request id -> its batches in flight, of any kind
+        self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
+        self._load_failed: dict[int, tuple[_Batch, BaseException]] = {}  # until the request is polled
+        self._sync_loads: list[_Batch] = []
         self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
         self._loading: dict[int, float] = {}
         self._inbox: queue.SimpleQueue[list[SaveOp]] = queue.SimpleQueue()
@@ -86,7 +96,7 @@ class TransferManager:
         self._check_open()
         sync = [op for op in ops if not op.is_async]
         if sync:  # waited for together before the first layer: batched apart from async loads
-            self._sync_loads.extend(self._submit_many(sync, "load", self._run_load, event))
+            self._sync_loads.extend(self._submit_many(sync, "sync", self._run_load, event))
         if len(sync) < len(ops):
             self._submit_many([op for op in ops if op.is_async], "load", self._run_load, event)
 
@@ -110,26 +120,31 @@ class TransferManager:
         ``stream`` when they arrive if none was: later on the same stream is still after the forward."""
         self._forward_stream, self._last_event = stream, event
 
-    def _submit_many(self, ops: list[Any], kind: str, fn: Callable[[Any, Any, float], Any], event: Any) -> list[_Job]:
+    def _submit_many(self, ops: list[Any], kind: str, fn: Callable[[Any, Any, float], Any],
+                     event: Any) -> list[_Batch]:
         """Merge the ops into batches (``_batches``), one future each, run by at most
         ``transfer_threads`` runners that take batches from a shared queue: the executor thread
         pays one thread-pool hand-off per runner, and no runner idles while work is left."""
         now = time.monotonic()
         deadline = now + self.settings.deadline_s
         payload = self.pool.payload_len
-        jobs: list[_Job] = []
+        pending = self._pending
+        loads = self._pending_loads if kind == "load" else None
+        batches: list[_Batch] = []
         work: collections.deque = collections.deque()
-        for group in _batches(ops, payload, self.settings.transfer_threads):
+        for group, blocks in _batches(ops, payload, self.settings.transfer_threads):
             future: Future = Future()
-            shared = len(group) > 1
-            for n, op in enumerate(group):
-                job = _Job(op.request_id, kind, future, now, len(op.keys) * payload, op.keys[0], n == 0, shared)
-                self._jobs.setdefault(op.request_id, []).append(job)
-                jobs.append(job)
-            work.append((_Merged(group) if shared else group[0], future))
+            batches.append(_Batch(kind, future, now, group, blocks * payload))
+            for op in group:
+                rid = op.request_id
+                pending[rid] = pending.get(rid, 0) + 1
+                if loads is not None:
+                    loads[rid] = loads.get(rid, 0) + 1
+            work.append((_Merged(group) if len(group) > 1 else group[0], future))
+        self._inflight += batches
         for _ in range(min(len(work), self.settings.transfer_threads)):
             self._exec.submit(_run_queued, work, fn, event, deadline)
-        return jobs
+        return batches
 
     # -- transfer threads -------------------------------------------------------------------------
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
@@ -167,18 +182,19 @@ class TransferManager:
         finally:  # how long the forward was held for bytes, apart from the callbacks' own cost
             self.stats.add("sync_load_wait_us", int(1e6 * (time.perf_counter() - t0)))
 
-    def _wait_all(self, jobs: list[_Job]) -> None:
-        for job in jobs:
-            remaining = job.accepted + self.settings.deadline_s - time.monotonic()
+    def _wait_all(self, batches: list[_Batch]) -> None:
+        for batch in batches:
+            remaining = batch.accepted + self.settings.deadline_s - time.monotonic()
+            rid = batch.ops[0].request_id
             try:
-                job.future.result(timeout=max(remaining, 0.0))
+                batch.future.result(timeout=max(remaining, 0.0))
             except TimeoutError:
-                raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {job.rid} "
-                                       f"({job.nbytes} bytes from {self.pool.path_for(job.first_key)}) passed "
-                                       f"its {self.settings.deadline_s:.1f}s deadline") from None
+                raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {rid} "
+                                       f"({batch.nbytes} bytes from {self.pool.path_for(batch.ops[0].keys[0])}) "
+                                       f"passed its {self.settings.deadline_s:.1f}s deadline") from None
             except LoadFailure as exc:
-                raise self._load_failure(job, exc) from None
-            self.stats.add_many(loads_sync=1, bytes_loaded=job.nbytes)
+                raise self._load_failure(rid, exc) from None
+            self.stats.add_many(loads_sync=len(batch.ops), bytes_loaded=batch.nbytes)
 
     @property
     def has_sync_loads(self) -> bool:
@@ -190,128 +206,145 @@ class TransferManager:
             if self._last_event is None:
                 self._last_event = self._record_event(self._forward_stream)
             self.submit_saves(self._inbox.get_nowait(), self._last_event)
+        finishing, loading = self._finishing, self._loading
         for rid in finished_gen_req_ids:
-            self._finishing.setdefault(rid, now)
+            finishing.setdefault(rid, now)
         for rid in started_loading_req_ids:
-            self._loading.setdefault(rid, now)
-        done_loading = [rid for rid in list(self._loading) if self._loads_done(rid, now)]
+            loading.setdefault(rid, now)
+        if self._inflight:
+            self._settle_done()
+        done_loading = [rid for rid in loading if self._loads_done(rid, now)] if loading else []
         for rid in done_loading:
-            del self._loading[rid]
+            del loading[rid]
         done_saving = []
-        for rid in list(self._finishing):
-            if rid in self._loading or not self._all_done(rid, now):
-                continue
-            del self._finishing[rid]
-            self._reap(rid, keep_pending=False)
-            done_saving.append(rid)
-        for rid in list(self._jobs):
-            if rid not in self._finishing and rid not in self._loading:
-                self._reap(rid, keep_pending=True)
+        if finishing:
+            pending = self._pending
+            done_saving = [rid for rid in finishing if rid not in pending and rid not in loading]
+            for rid in done_saving:
+                del finishing[rid]
+                self._load_failed.pop(rid, None)  # a load it never waited for (it was not polled)
+        inflight = self._inflight
+        if inflight and now - inflight[0].accepted > self.settings.deadline_s:
+            self._check_deadlines(now)
         return done_saving, done_loading
 
+    def _settle_done(self) -> None:
+        """Account each batch that completed since the last poll, once, and take it off its
+        requests' counts; a failed asynchronous load is kept for its requests' next poll."""
+        still: list[_Batch] = []
+        pending, loads, failed = self._pending, self._pending_loads, self._load_failed
+        for batch in self._inflight:
+            future = batch.future
+            if not future.done():
+                still.append(batch)
+                continue
+            exc = None if future.cancelled() else future.exception()
+            kind = batch.kind
+            for op in batch.ops:
+                rid = op.request_id
+                left = pending[rid] - 1
+                if left:
+                    pending[rid] = left
+                else:
+                    del pending[rid]
+                if kind == "load":
+                    loads[rid] -= 1
+                    if exc is not None:
+                        failed.setdefault(rid, (batch, exc))
+            if kind == "save":
+                self._account_save(batch)
+            elif kind == "load" and exc is None and not future.cancelled():
+                self.stats.add_many(loads_async=len(batch.ops), bytes_loaded=batch.nbytes)
+        self._inflight = still
+
     def _loads_done(self, rid: int, now: float) -> bool:
-        loads = [j for j in self._jobs.get(rid, ()) if j.kind == "load"]
-        if not loads:
+        left = self._pending_loads.get(rid)
+        if left is None:  # no load was ever submitted for it
             self._check_deadline(rid, "load", self._loading[rid], now, None)
             return False
-        for job in loads:
-            if not job.future.done():
-                self._check_deadline(rid, "load", job.accepted, now, job)
-                return False
-        for job in loads:
-            exc = None if job.future.cancelled() else job.future.exception()  # cancelled: never touched pages
-            if exc is not None:
-                raise self._load_failure(job, exc)
-        self.stats.add_many(loads_async=len(loads), bytes_loaded=sum(j.nbytes for j in loads))
-        self._jobs[rid] = [j for j in self._jobs[rid] if j.kind != "load"]
+        if left:
+            return False  # its batches' deadlines are checked in poll
+        del self._pending_loads[rid]
+        failed = self._load_failed.pop(rid, None)
+        if failed is not None:
+            raise self._load_failure(rid, failed[1])
         return True
 
-    def _all_done(self, rid: int, now: float) -> bool:
-        for job in self._jobs.get(rid, ()):
-            if not job.future.done():
-                self._check_deadline(rid, job.kind, job.accepted, now, job)
-                return False
-        return True
+    def _check_deadlines(self, now: float) -> None:
+        """A batch past the deadline fails the first request waited on (finishing or loading)
+        that rides in it; batches are in acceptance order, so the scan stops at the first in time."""
+        limit = self.settings.deadline_s
+        for batch in self._inflight:
+            if now - batch.accepted <= limit:
+                return
+            for op in batch.ops:
+                rid = op.request_id
+                if rid in self._finishing or rid in self._loading:
+                    self._check_deadline(rid, "load" if batch.kind != "save" else "save", batch.accepted, now,
+                                         op.keys[0])
 
-    def _reap(self, rid: int, keep_pending: bool) -> None:
-        """Account finished jobs of a request; drop its record when nothing is pending."""
-        kept = []
-        for job in self._jobs.get(rid, ()):
-            if not job.future.done():
-                kept.append(job)
-                continue
-            if job.kind == "save":
-                if job.lead:
-                    self._account_save(job)
-            elif not job.future.cancelled() and job.future.exception() is not None:
-                if keep_pending:
-                    kept.append(job)  # a load failure is reported when its id is polled
-        if kept:
-            self._jobs[rid] = kept
-        else:
-            self._jobs.pop(rid, None)
-
-    def _account_save(self, job: _Job) -> None:
-        if job.future.cancelled():
+    def _account_save(self, batch: _Batch) -> None:
+        if batch.future.cancelled():
             self.stats.add("save_batches_cancelled")
             return
-        exc = job.future.exception()
+        exc = batch.future.exception()
         if exc is not None:
-            self._note_save_failure(type(exc).__name__, job, str(exc))
+            self._note_save_failure(type(exc).__name__, batch, str(exc))
             return
-        out: SaveOutcome = job.future.result()
+        out: SaveOutcome = batch.future.result()
         self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
                             save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
         for key, cause in out.failed:
-            self._note_save_failure(cause, job, self.pool.path_for(key))
+            self._note_save_failure(cause, batch, self.pool.path_for(key))
 
-    def _note_save_failure(self, cause: str, job: _Job, detail: str) -> None:
+    def _note_save_failure(self, cause: str, batch: _Batch, detail: str) -> None:
         self.stats.add(f"save_failed_{cause}")
         if cause not in self._causes_logged:
             self._causes_logged.add(cause)
             log.warning("gds-kv-connector: dropping saves that fail with %s (first: request %d, %s); "
-                        "serving continues, further %s failures are only counted", cause, job.rid, detail, cause)
+                        "serving continues, further %s failures are only counted", cause, batch.ops[0].request_id,
+                        detail, cause)
 
-    def _check_deadline(self, rid: int, kind: str, since: float, now: float, job: _Job | None) -> None:
+    def _check_deadline(self, rid: int, kind: str, since: float, now: float, first_key: bytes | None) -> None:
         if now - since <= self.settings.deadline_s:
             return
-        where = self.pool.path_for(job.first_key) if job else "(no transfer was ever submitted for it)"
+        where = self.pool.path_for(first_key) if first_key else "(no transfer was ever submitted for it)"
         raise ConnectorFailure(f"gds-kv-connector: {kind} of request {rid} exceeded its "
                                f"{self.settings.deadline_s:.1f}s deadline (started {now - since:.1f}s ago; "
                                f"first file {where})")
 
-    def _load_failure(self, job: _Job, exc: BaseException) -> ConnectorFailure:
+    def _load_failure(self, rid: int, exc: BaseException) -> ConnectorFailure:
         self.stats.add("load_failures")
         if isinstance(exc, LoadFailure):
             owner = exc.request_id
-            batched = f" (in one batch with request {owner}, whose block failed)" if owner not in (None, job.rid) else ""
-            return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed{batched}: key "
+            batched = f" (in one batch with request {owner}, whose block failed)" if owner not in (None, rid) else ""
+            return ConnectorFailure(f"gds-kv-connector: load for request {rid} failed{batched}: key "
                                     f"{exc.key.hex()}, file {exc.path}: {exc.reason}")
-        return ConnectorFailure(f"gds-kv-connector: load for request {job.rid} failed: {exc!r}")
+        return ConnectorFailure(f"gds-kv-connector: load for request {rid} failed: {exc!r}")
 
     # -- cancellation and shutdown ----------------------------------------------------------------
     def cancel_queued(self, rid: int) -> int:
         """Drop transfers of a request that have not started; in-flight ones, and batches it shares
         with other requests (cancelling one would drop theirs), run to completion."""
-        dropped = sum(1 for job in self._jobs.get(rid, ()) if not job.shared and job.future.cancel())
+        dropped = sum(1 for b in self._inflight
+                      if b.ops[0].request_id == rid and not b.shared and b.future.cancel())
         self.stats.add("transfers_dropped_queued", dropped)
         return dropped
 
     def shutdown(self) -> dict[str, int]:
         """Stop accepting work, drop queued batches, wait for in-flight ones up to the control grace."""
         self._closed = True
-        dropped = sum(1 for jobs in self._jobs.values() for j in jobs if j.future.cancel())
+        dropped = sum(1 for b in self._inflight if b.future.cancel())
         end = time.monotonic() + self.settings.control_grace_s
         stuck = 0
-        for jobs in self._jobs.values():
-            for job in jobs:
-                try:
-                    job.future.exception(timeout=max(end - time.monotonic(), 0.0))
-                except TimeoutError:
-                    stuck += 1
-                except Exception:  # noqa: BLE001 - cancelled futures raise CancelledError
-                    pass
+        for batch in self._inflight:
+            try:
+                batch.future.exception(timeout=max(end - time.monotonic(), 0.0))
+            except TimeoutError:
+                stuck += 1
+            except Exception:  # noqa: BLE001 - cancelled futures raise CancelledError
+                pass
         self._exec.shutdown(wait=stuck == 0, cancel_futures=True)
         if stuck == 0:
             self.engine.close()
@@ -352,9 +385,9 @@ class _Merged:
 
     def __init__(self, ops: list[Any]) -> None:
         self.request_id = ops[0].request_id
-        self.keys = tuple(k for op in ops for k in op.keys)
-        self.block_ids = tuple(b for op in ops for b in op.block_ids)
-        self.parents = tuple(p for op in ops for p in op.parents) if isinstance(ops[0], SaveOp) else ()
+        self.keys = tuple(chain.from_iterable([op.keys for op in ops]))
+        self.block_ids = tuple(chain.from_iterable([op.block_ids for op in ops]))
+        self.parents = tuple(chain.from_iterable([op.parents for op in ops])) if isinstance(ops[0], SaveOp) else ()
         self._owners = [(len(op.keys), op.request_id) for op in ops]
 
     def owner_of(self, key: bytes) -> int:
@@ -367,25 +400,25 @@ class _Merged:
         return self.request_id
 
 
-def _batches(ops: list[Any], payload: int, threads: int) -> list[list[Any]]:
+def _batches(ops: list[Any], payload: int, threads: int) -> list[tuple[list[Any], int]]:
     """Consecutive ops grouped into batches of about total / ``threads`` bytes (a batch closes
     once it reaches that), never above ``MERGE_BYTES`` unless one op alone is larger, so every
-    transfer thread gets a share."""
+    transfer thread gets a share: (ops, blocks in them) per batch."""
     total = sum(len(op.keys) for op in ops) * payload
     target = min(MERGE_BYTES, -(-total // threads))
-    out: list[list[Any]] = []
+    out: list[tuple[list[Any], int]] = []
     group: list[Any] = []
-    size = 0
+    blocks = 0
     for op in ops:
-        nbytes = len(op.keys) * payload
-        if group and size + nbytes > MERGE_BYTES:
-            out.append(group)
-            group, size = [], 0
+        n = len(op.keys)
+        if group and (blocks + n) * payload > MERGE_BYTES:
+            out.append((group, blocks))
+            group, blocks = [], 0
         group.append(op)
-        size += nbytes
-        if size >= target:
-            out.append(group)
-            group, size = [], 0
+        blocks += n
+        if blocks * payload >= target:
+            out.append((group, blocks))
+            group, blocks = [], 0
     if group:
-        out.append(group)
+        out.append((group, blocks))
     return out

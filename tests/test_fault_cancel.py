@@ -91,7 +91,7 @@ def test_shutdown_with_stuck_transfer_returns_within_grace(rig):
     assert GRACE <= elapsed <= GRACE + 0.5, f"shutdown took {elapsed:.2f}s"
     # Let the stuck write finish: it completes normally; no temporary file remains, the pool is valid.
     r.ops.release()
-    inflight = r.tm._jobs[10][0].future
+    inflight = r.tm._inflight[0].future
     inflight.result(timeout=10)
     assert fh.tmp_files(r.pool) == []
     assert [fh.verify_file(p) for p in fh.block_files(r.pool)] == [ops[0].keys[0]]

@@ -42,8 +42,9 @@ def _ops(sizes: list[int]) -> list[SaveOp]:
 def test_batches_cover_every_op_once_in_order(sizes, threads, payload, want):
     ops = _ops(sizes)
     got = _batches(ops, payload, threads)
-    assert [len(g) for g in got] == want
-    assert [op for g in got for op in g] == ops
+    assert [len(g) for g, _ in got] == want
+    assert [op for g, _ in got for op in g] == ops
+    assert [n for _, n in got] == [sum(len(op.keys) for op in g) for g, _ in got]
 
 
 def test_requests_submitted_together_share_batches_and_all_arrive(tmp_path):
@@ -52,8 +53,7 @@ def test_requests_submitted_together_share_batches_and_all_arrive(tmp_path):
         saves = [r.save_op(rid, [fh.key_of("share", rid, j) for j in range(2)], first_block=2 * rid)
                  for rid in range(6)]
         r.tm.submit_saves(saves, None)
-        futures = {id(j.future) for jobs in r.tm._jobs.values() for j in jobs}
-        assert len(futures) == 2  # 6 requests, 2 transfer threads
+        assert len(r.tm._inflight) == 2  # 6 requests, 2 transfer threads
         r.poll_until(finished=range(6), want_saved=range(6))
         assert r.stats.snapshot()["blocks_saved"] == 12  # a shared batch is counted once, not per request
         for i in range(12):
