@@ -580,6 +580,12 @@ static void *stat_span_run(void *arg) {
     return NULL;
 }
 
+/* Threads for stat'ing n keys: one per STAT_SPAN_MIN keys, at least one, at most STAT_THREADS. */
+static int stat_threads_for(Py_ssize_t n) {
+    Py_ssize_t k = n / STAT_SPAN_MIN;
+    return k < 1 ? 1 : k > STAT_THREADS ? STAT_THREADS : (int)k;
+}
+
 /* Stats keys [from, n) on up to STAT_THREADS threads, each a contiguous span of at least
  * STAT_SPAN_MIN keys (this thread takes the first): the index of the first key that failed, n where
  * none did.  Spans after a failure are wasted work, never a wrong answer. */
@@ -589,14 +595,13 @@ static Py_ssize_t stat_spans(const unsigned char **key_at, const char **dir_of, 
     struct stat_span sp[STAT_THREADS];
     pthread_t tid[STAT_THREADS];
     int started[STAT_THREADS] = {0};
-    Py_ssize_t left = n - from, k = left / STAT_SPAN_MIN;
-    if (k > STAT_THREADS) k = STAT_THREADS;
-    if (k < 1) k = 1;
-    for (Py_ssize_t t = 0; t < k; t++) {
+    Py_ssize_t left = n - from;
+    int k = stat_threads_for(left);
+    for (int t = 0; t < k; t++) {
         sp[t] = (struct stat_span){key_at, dir_of, dir_len, suffix, suffix_len, paths + t * path_cap, sizes,
                                    from + left * t / k, from + left * (t + 1) / k, 0};
     }
-    for (Py_ssize_t t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, stat_span_run, &sp[t]) == 0;
+    for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, stat_span_run, &sp[t]) == 0;
     stat_span_run(&sp[0]);
     Py_ssize_t first_fail = n;
     for (Py_ssize_t t = 0; t < k; t++) {
@@ -769,7 +774,7 @@ static PyObject *chain_present(PyObject *self, PyObject *args) {
     }
     size_t width = (size_t)tpb * 8;
     struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0, 0};
-    int threads = n / STAT_SPAN_MIN > STAT_THREADS ? STAT_THREADS : n < STAT_SPAN_MIN ? 1 : (int)(n / STAT_SPAN_MIN);
+    int threads = stat_threads_for(n);
     struct probe_thread pt[STAT_THREADS];
     struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, threads, pt, {0}, {0}};
     for (int t = 0; t < STAT_THREADS; t++) pt[t] = (struct probe_thread){&pr, paths + t * path_cap};
