@@ -79,6 +79,42 @@ def test_token_lists_passed_in_are_never_mutated(pool_env, first_report):
         worker.shutdown()
 
 
+def test_only_tokens_of_blocks_not_yet_keyed_are_held(pool_env):
+    """The scheduler drops the tokens of blocks it has keyed (a 128k-token prompt's list was copied in
+    the first report and released at the end); the keys of later blocks still come from the right
+    tokens, and tokens that differ from those held make the match key the request anew."""
+    sched, worker = _pair()
+    try:
+        prompt = list(range(500, 542))  # ten full blocks and two tokens
+        req = SimRequest(6, prompt, tokens=list(prompt))
+        sched.get_num_new_matched_tokens(req, 0)
+        st = sched._reqs[6]
+        assert (st.base, st.tokens) == (40, prompt[40:])  # the match keyed ten blocks
+        meta = _report(sched, 6, list(prompt), list(range(11)), 0, len(prompt), first=True)
+        assert (st.base, st.tokens) == (40, prompt[40:]) and st.tokens is not req.tokens
+        assert [s.keys for s in meta.saves] == [tuple(_keys(sched, prompt))]
+        tokens = prompt + [1, 2]  # completes block 10
+        _report(sched, 6, [1], [], len(tokens) - 2, 1, first=False)
+        meta = _report(sched, 6, [2], [], len(tokens) - 1, 1, first=False)
+        assert [(s.keys, s.parents) for s in meta.saves] == [((_keys(sched, tokens)[10],), (_keys(sched, tokens)[9],))]
+        assert (st.base, st.tokens) == (44, [])
+
+        other = prompt[:40] + [9, 9]  # the same keyed blocks, different tokens after them: still matched
+        sched.get_num_new_matched_tokens(SimRequest(7, prompt, tokens=list(prompt)), 0)
+        sched.get_num_new_matched_tokens(SimRequest(7, other, tokens=list(other)), 0)
+        assert sched._reqs[7].tokens == [9, 9] and sched._reqs[7].keys == _keys(sched, other)
+        changed = list(prompt)
+        changed[0] = changed[41] = 0  # a held token differs: the keys are made again from all tokens
+        sched.get_num_new_matched_tokens(SimRequest(8, prompt, tokens=list(prompt)), 0)
+        assert sched._reqs[8].keys == _keys(sched, prompt)
+        req8 = SimRequest(8, changed, tokens=list(changed))
+        sched.get_num_new_matched_tokens(req8, 0)
+        assert _keys(sched, changed) != _keys(sched, prompt)
+        assert sched._reqs[8].keys == _keys(sched, changed) and sched._reqs[8].tokens == changed[40:]
+    finally:
+        worker.shutdown()
+
+
 def test_request_finished_saves_a_block_completed_by_unreported_tokens(pool_env):
     sched, worker = _pair()
     delivered = []
