@@ -1,0 +1,68 @@
+"""Each connector callback's total time per round of the bench's executor phase, over several runs, for
+one checkout: the figures to alternate between two trees when a change moves one callback by less than
+the whole figure's run-to-run spread.
+
+    python profiling/callback_totals.py [--tree DIR] [--runs 5] [--device cuda]
+
+Imports the package and the bench from ``--tree`` (default: this checkout), runs
+``bench_executor.executor_cost`` ``--runs`` times (a cold round that saves, a warm round that loads the
+same prompts; a host-memory pool under /dev/shm with a 512 MiB arena), and prints the median of the
+runs' microseconds per iteration with every run's figure, then each callback's median total per round
+(``cold:`` / ``warm:``), layer hooks left out.  One process per tree; alternate trees in the shell:
+
+    for t in ../base . ../base .; do python profiling/callback_totals.py --tree $t --runs 5; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    help="checkout whose package and profiling/ are imported")
+    ap.add_argument("--runs", type=int, default=5, help="executor phases run (each a cold and a warm round)")
+    ap.add_argument("--device", default="cpu", help="where the KV pool lives: cpu or cuda")
+    a = ap.parse_args()
+    if a.runs < 1:
+        raise SystemExit("callback_totals.py: --runs must be 1 or more")
+    tree = os.path.abspath(a.tree)
+    sys.path[:0] = [os.path.join(tree, "profiling"), tree]
+    import torch
+    import bench_executor
+    import gds_kv_connector
+    from bench_common import KvikioDefaults, Tracer
+    if not os.path.realpath(gds_kv_connector.__file__).startswith(os.path.realpath(tree)):
+        raise SystemExit(f"callback_totals.py: imported {gds_kv_connector.__file__}, not the package of {tree}")
+    gc.set_threshold(20000, 10, 10)  # TensorRT-LLM's executor runs with 20000, as the bench does
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    totals: dict[str, list[float]] = collections.defaultdict(list)
+    per_iter = []
+    for _ in range(a.runs):
+        root = tempfile.mkdtemp(dir=base)
+        try:
+            r = bench_executor.executor_cost(root, torch.device(a.device), KvikioDefaults(), Tracer(None, False),
+                                             arena_bytes=512 << 20)
+        finally:
+            shutil.rmtree(root)
+        per_iter.append(r["callback_us_per_iteration"])
+        for rnd in r["rounds"]:
+            for name, v in rnd["by_callback"].items():
+                if name not in ("wait_for_layer_load", "save_kv_layer"):
+                    totals[f"{rnd['what'][:4]}:{name}"].append(v["total_us"])
+    print(f"{tree}: us/iteration median {statistics.median(per_iter):.1f}, runs "
+          f"{', '.join(f'{x:.1f}' for x in per_iter)}")
+    for key in sorted(totals):
+        print(f"  {key:36s} {statistics.median(totals[key]):8.0f} us per round")
+
+
+if __name__ == "__main__":
+    main()
