@@ -81,7 +81,7 @@ class TransferManager:
         self._inflight: list[_Batch] = []  # in submission order, so by acceptance time
         self._pending: dict[int, int] = {}  # request id -> its batches in flight, of any kind
         self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
-        self._load_failed: dict[int, tuple[_Batch, BaseException]] = {}  # until the request is polled
+        self._load_failed: dict[int, BaseException] = {}  # a failed async load, until its request is polled
         self._sync_loads: list[_Batch] = []
         self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
         self._loading: dict[int, float] = {}
@@ -223,7 +223,9 @@ class TransferManager:
             done_saving = [rid for rid in finishing if rid not in pending and rid not in loading]
             for rid in done_saving:
                 del finishing[rid]
-                self._load_failed.pop(rid, None)  # a load it never waited for (it was not polled)
+                if not self._pending_loads.get(rid, 1):  # loads it never waited for (it was not polled)
+                    del self._pending_loads[rid]
+                    self._load_failed.pop(rid, None)
         inflight = self._inflight
         if inflight and now - inflight[0].accepted > self.settings.deadline_s:
             self._check_deadlines(now)
@@ -251,7 +253,7 @@ class TransferManager:
                 if kind == "load":
                     loads[rid] -= 1
                     if exc is not None:
-                        failed.setdefault(rid, (batch, exc))
+                        failed.setdefault(rid, exc)
             if kind == "save":
                 self._account_save(batch)
             elif kind == "load" and exc is None and not future.cancelled():
@@ -268,7 +270,7 @@ class TransferManager:
         del self._pending_loads[rid]
         failed = self._load_failed.pop(rid, None)
         if failed is not None:
-            raise self._load_failure(rid, failed[1])
+            raise self._load_failure(rid, failed)
         return True
 
     def _check_deadlines(self, now: float) -> None:

@@ -76,6 +76,28 @@ def test_requests_submitted_together_share_batches_and_all_arrive(tmp_path):
         r.close()
 
 
+def test_nothing_is_kept_once_every_request_is_reported(tmp_path):
+    """Requests are tracked by counts of their batches in flight: once each is reported, finished or
+    loaded, no count, batch or failure is left, including an async load (one failed, one not) of a
+    request that finished without ever being polled as loading."""
+    r = Rig(str(tmp_path / "pool"), num_blocks=24, TLLM_GDS_KV_TRANSFER_THREADS="2")
+    try:
+        keys = [fh.key_of("kept", i) for i in range(6)]
+        r.preload(keys)
+        os.unlink(r.pool.path_for(keys[5]))
+        r.tm.submit_saves([r.save_op(rid, [fh.key_of("kept-save", rid)], first_block=10 + rid) for rid in (1, 2, 3)],
+                          None)
+        r.tm.submit_loads([LoadOp(4, (keys[0],), (16,), True), LoadOp(5, (keys[1], keys[2]), (17, 18), True),
+                           LoadOp(6, (keys[3],), (19,), False), LoadOp(7, (keys[4], keys[5]), (20, 21), True)], None)
+        r.tm.wait_sync_loads()
+        r.poll_until(finished=[1, 2, 3, 4, 7], loading=[5], want_saved=[1, 2, 3, 4, 7], want_loaded=[5])
+        assert (r.tm._inflight, r.tm._pending, r.tm._pending_loads, r.tm._load_failed) == ([], {}, {}, {})
+        snap = r.stats.snapshot()
+        assert snap["loads_sync"] == 1 and snap["loads_async"] == 2 and snap["blocks_saved"] == 3
+    finally:
+        r.close()
+
+
 def test_a_failed_block_in_a_shared_batch_names_its_own_request(tmp_path):
     r = Rig(str(tmp_path / "pool"), num_blocks=16, TLLM_GDS_KV_TRANSFER_THREADS="1")
     try:
