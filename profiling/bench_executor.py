@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import tempfile
 import time
 from typing import Any
 
@@ -35,6 +36,27 @@ def connector_env(root: str, arena_bytes: int = 0):
         for k in [k for k in os.environ if k.startswith("TLLM_GDS_KV_")]:
             del os.environ[k]
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def cpu_connector(model: str, tokens_per_block: int, kv_blocks: int):
+    """A scheduler and a worker over a host-memory pool in a temporary directory (under /dev/shm where
+    there is one) and a CPU KV cache of ``kv_blocks`` blocks: the rig of the profiling tools that time
+    callbacks without a GPU."""
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import fake_llm_args
+
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=base) as root, connector_env(root):
+        llm_args = fake_llm_args(tokens_per_block, model=model)
+        worker = GdsKvConnectorWorker(llm_args)
+        try:
+            worker.register_kv_caches(torch.zeros((kv_blocks, 2, 2, 512), dtype=torch.bfloat16))
+            sched = GdsKvConnectorScheduler(llm_args)
+            sched.wait_for_initialization()
+            yield sched, worker
+        finally:
+            worker.shutdown()
 
 
 def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,

@@ -25,7 +25,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -33,9 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_executor import connector_env  # noqa: E402
-from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
-from gds_kv_connector.reference import SimRequest, fake_llm_args  # noqa: E402
+from bench_executor import cpu_connector  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler  # noqa: E402
+from gds_kv_connector.reference import SimRequest  # noqa: E402
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput  # noqa: E402
 
 REQUESTS, PROMPT, TPB = 64, 133, 32
@@ -78,57 +77,48 @@ def main() -> None:
     if any(t < 0 for t in touch):
         raise SystemExit("fold_cost.py: --touch-mib values must be 0 or more")
     rng = random.Random(1)
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    with tempfile.TemporaryDirectory(dir=base) as root, connector_env(root):
-        llm_args = fake_llm_args(TPB, model="fold-cost")
-        worker = GdsKvConnectorWorker(llm_args)
-        try:
-            worker.register_kv_caches(torch.zeros((1024, 2, 2, 512), dtype=torch.bfloat16))
-            sched = GdsKvConnectorScheduler(llm_args)
-            sched.wait_for_initialization()
-            cold = [_admit(sched, _prompts(rng)) for _ in range(max(a.reps // 10, 3))]
-            warm_reqs = _prompts(rng)
-            for r in warm_reqs:  # every block marked present in the pool's index: the match's indexed path
-                sched.get_num_new_matched_tokens(r, 0)
-                sched._lookup_pools[0]._index.update(dict.fromkeys(sched._reqs.pop(r.request_id).keys,
-                                                                   time.monotonic() + 3600))
-            warm = []
-            for _ in range(max(a.reps // 10, 3)):
-                for r in warm_reqs:
-                    sched._reqs.pop(r.request_id, None)
-                warm.append(_admit(sched, warm_reqs))
-            sched._out_loads.clear()
+    with cpu_connector("fold-cost", TPB, 1024) as (sched, _):
+        cold = [_admit(sched, _prompts(rng)) for _ in range(max(a.reps // 10, 3))]
+        warm_reqs = _prompts(rng)
+        for r in warm_reqs:  # every block marked present in the pool's index: the match's indexed path
+            sched.get_num_new_matched_tokens(r, 0)
+            sched._lookup_pools[0]._index.update(dict.fromkeys(sched._reqs.pop(r.request_id).keys,
+                                                               time.monotonic() + 3600))
+        warm = []
+        for _ in range(max(a.reps // 10, 3)):
+            for r in warm_reqs:
+                sched._reqs.pop(r.request_id, None)
+            warm.append(_admit(sched, warm_reqs))
+        sched._out_loads.clear()
 
-            sched._save = False  # the fold alone, as in the decode steps that complete no block
-            ids = [r.request_id for r in warm_reqs]
-            first = SchedulerOutput()
-            first.new_requests = [RequestData(request_id=i, new_tokens=list(r.tokens), new_block_ids=[0, 1, 2, 3, 4],
-                                              computed_position=0, num_scheduled_tokens=PROMPT)
-                                  for i, r in zip(ids, warm_reqs)]
-            sched.build_connector_meta(first)
-            folds: dict[int, list[float]] = {}
-            floors: dict[int, list[float]] = {}
-            pos = PROMPT
-            for mib in touch:
-                other = torch.zeros(mib << 18) if mib else None  # float32: 2**18 per MiB
-                times, floor = folds[mib], floors[mib] = [], []
-                for _ in range(a.reps):
-                    for into in (floor, times):  # alternated, so both see the same cache conditions
-                        out = SchedulerOutput()
-                        out.cached_requests = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[],
-                                                           computed_position=pos, num_scheduled_tokens=1)
-                                               for i in ids]
-                        if other is not None:
-                            other.add_(1.0)
-                        t0 = time.thread_time_ns()
-                        if into is times:
-                            sched.build_connector_meta(out)
-                            pos += 1
-                        else:
-                            _read_fields(out.cached_requests)
-                        into.append((time.thread_time_ns() - t0) / 1e3)
-        finally:
-            worker.shutdown()
+        sched._save = False  # the fold alone, as in the decode steps that complete no block
+        ids = [r.request_id for r in warm_reqs]
+        first = SchedulerOutput()
+        first.new_requests = [RequestData(request_id=i, new_tokens=list(r.tokens), new_block_ids=[0, 1, 2, 3, 4],
+                                          computed_position=0, num_scheduled_tokens=PROMPT)
+                              for i, r in zip(ids, warm_reqs)]
+        sched.build_connector_meta(first)
+        folds: dict[int, list[float]] = {}
+        floors: dict[int, list[float]] = {}
+        pos = PROMPT
+        for mib in touch:
+            other = torch.zeros(mib << 18) if mib else None  # float32: 2**18 per MiB
+            times, floor = folds[mib], floors[mib] = [], []
+            for _ in range(a.reps):
+                for into in (floor, times):  # alternated, so both see the same cache conditions
+                    out = SchedulerOutput()
+                    out.cached_requests = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[],
+                                                       computed_position=pos, num_scheduled_tokens=1)
+                                           for i in ids]
+                    if other is not None:
+                        other.add_(1.0)
+                    t0 = time.thread_time_ns()
+                    if into is times:
+                        sched.build_connector_meta(out)
+                        pos += 1
+                    else:
+                        _read_fields(out.cached_requests)
+                    into.append((time.thread_time_ns() - t0) / 1e3)
     rows = [("admission of 64, cold (misses)", cold), ("admission of 64, warm (all indexed)", warm)]
     for mib in touch:
         rows += [(f"fold of 64 decode reports, {mib} MiB written between folds", folds[mib]),

@@ -225,6 +225,7 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2", "--arena", "16MiB"],
      '"publish_refs"'),
     ("callback_totals.py", ["--runs", "1"], "warm:get_num_new_matched_tokens"),
+    ("long_request.py", ["--blocks", "64", "--requests", "2"], "build_connector_meta, first report"),
 ])
 def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     """The smaller profiling tools the results README cites still run (no GPU needed for these)."""

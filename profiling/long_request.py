@@ -1,0 +1,88 @@
+"""One long request's scheduler callbacks, each timed on its own: what a long prompt costs the executor
+thread outside the match (which the bench times as its 128k-token match goal).
+
+    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7]
+
+For each of ``--requests`` new prompts of ``--blocks`` blocks of 32 tokens plus one token, none of them
+in the pool: ``get_num_new_matched_tokens`` (the cold match), ``update_state_after_alloc``,
+``build_connector_meta`` with the request's first report (the whole prompt, every block due for saving),
+three decode reports of one token, and ``request_finished``.  Prints each callback's median in
+microseconds.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
+alternated in the shell.  No GPU: a CPU KV cache and a host-memory pool under /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+TPB = 32
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    help="checkout whose package is imported")
+    ap.add_argument("--blocks", type=int, default=4096, help="full blocks of 32 tokens in each prompt")
+    ap.add_argument("--requests", type=int, default=7, help="prompts timed, each new")
+    a = ap.parse_args()
+    if a.blocks < 1 or a.requests < 1:
+        raise SystemExit("long_request.py: --blocks and --requests must be 1 or more")
+    tree = os.path.abspath(a.tree)
+    # the package from the tree; the rig (bench_executor.cpu_connector) from this checkout, so an older
+    # tree can be timed by the same code
+    sys.path[:0] = [tree, os.path.dirname(os.path.abspath(__file__))]
+    import gds_kv_connector
+    from bench_executor import cpu_connector
+    from gds_kv_connector.reference import SimRequest
+    from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
+    if not os.path.realpath(gds_kv_connector.__file__).startswith(os.path.realpath(tree)):
+        raise SystemExit(f"long_request.py: imported {gds_kv_connector.__file__}, not the package of {tree}")
+
+    n_tokens = a.blocks * TPB + 1
+    pages = list(range(a.blocks + 1))
+    rng = random.Random(3)
+    times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter_ns()
+        out = fn()
+        times[name].append((time.perf_counter_ns() - t0) / 1e3)
+        return out
+
+    def report(rid: int, tokens: list[int], ids: list[int], computed: int, scheduled: int, first: bool):
+        out = SchedulerOutput()
+        rd = RequestData(request_id=rid, new_tokens=tokens, new_block_ids=ids, computed_position=computed,
+                         num_scheduled_tokens=scheduled)
+        (out.new_requests if first else out.cached_requests).append(rd)
+        return out
+
+    with cpu_connector("long-request", TPB, 8) as (sched, _):
+        for rid in range(1, a.requests + 1):
+            prompt = [rng.randrange(32000) for _ in range(n_tokens)]
+            req = SimRequest(rid, prompt, tokens=list(prompt))
+            timed("get_num_new_matched_tokens (cold)", lambda: sched.get_num_new_matched_tokens(req, 0))
+            timed("update_state_after_alloc", lambda: sched.update_state_after_alloc(req, pages))
+            first = report(rid, list(prompt), pages, 0, n_tokens, True)
+            meta = timed("build_connector_meta, first report", lambda: sched.build_connector_meta(first))
+            if sum(len(op.keys) for op in meta.saves) != a.blocks:
+                raise SystemExit(f"long_request.py: the first report made {len(meta.saves)} saves, not "
+                                 f"one of {a.blocks} blocks")
+            for k in range(3):
+                req.tokens.append(5)
+                step = report(rid, [5], [], n_tokens + k, 1, False)
+                timed("build_connector_meta, a decode report", lambda: sched.build_connector_meta(step))
+            timed("request_finished", lambda: sched.request_finished(req, pages))
+    print(f"{tree}: {a.requests} requests of {n_tokens} tokens, median us per call")
+    for name, xs in times.items():
+        print(f"  {name:40s} {statistics.median(xs):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
