@@ -9,13 +9,13 @@ event that orders it after the forward stream, then moves bytes through the pool
 from __future__ import annotations
 
 import collections
-from itertools import chain
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable
 
 from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_blocks
@@ -241,7 +241,8 @@ class TransferManager:
             if not future.done():
                 still.append(batch)
                 continue
-            exc = None if future.cancelled() else future.exception()
+            cancelled = future.cancelled()
+            exc = None if cancelled else future.exception()
             kind = batch.kind
             for op in batch.ops:
                 rid = op.request_id
@@ -255,8 +256,8 @@ class TransferManager:
                     if exc is not None:
                         failed.setdefault(rid, exc)
             if kind == "save":
-                self._account_save(batch)
-            elif kind == "load" and exc is None and not future.cancelled():
+                self._account_save(batch, cancelled, exc)
+            elif kind == "load" and not cancelled and exc is None:
                 self.stats.add_many(loads_async=len(batch.ops), bytes_loaded=batch.nbytes)
         self._inflight = still
 
@@ -286,11 +287,11 @@ class TransferManager:
                     self._check_deadline(rid, "load" if batch.kind != "save" else "save", batch.accepted, now,
                                          op.keys[0])
 
-    def _account_save(self, batch: _Batch) -> None:
-        if batch.future.cancelled():
+    def _account_save(self, batch: _Batch, cancelled: bool, exc: BaseException | None) -> None:
+        """Count a completed save batch's outcome (its future's, read once by the caller)."""
+        if cancelled:
             self.stats.add("save_batches_cancelled")
             return
-        exc = batch.future.exception()
         if exc is not None:
             self._note_save_failure(type(exc).__name__, batch, str(exc))
             return
