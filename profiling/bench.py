@@ -57,7 +57,7 @@ from gds_kv_connector.settings import parse_size  # noqa: E402
 from bench_ceilings import best_pinned, pinned_copy_ceiling, raw_beside, raw_phases, raw_storage_ceiling  # noqa: E402
 from bench_connector import ConnectorRig, median_run, connector_phase  # noqa: E402
 from bench_baselines import baseline_naive_kvikio, baseline_trtllm  # noqa: E402
-from bench_executor import executor_cost, match_time, median_executor_run  # noqa: E402
+from bench_executor import executor_cost, match_time, median_executor_run, python_reference_us  # noqa: E402
 from bench_overlap import overlap  # noqa: E402
 from bench_report import pool_modes, compute_ratios, evaluate_goals, plot, render_table  # noqa: E402
 
@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                         os.path.join(exec_root, f"exec-pool-{rep}"), device, kvd, tracer, arena_bytes=exec_arena,
                         new_tokens=args.exec_new_tokens)) for rep in range(args.repeat)]
                     res["executor"] = median_executor_run([r for r in runs if r]) or {"error": "failed"}
+                    res["executor"]["python_reference_us"] = python_reference_us()
                 budget.phases_left -= 1
                 step_done()
                 progress("128k match")

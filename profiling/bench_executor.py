@@ -131,6 +131,32 @@ def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: 
     return out
 
 
+def read_report_fields(reports: list[Any]) -> None:
+    """What every fold must do at least: read each report's fields (TensorRT-LLM's objects, new each
+    iteration); the rest of a fold's cost is the connector's own state."""
+    for rd in reports:
+        rd.request_id, rd.new_tokens, rd.new_block_ids, rd.computed_position, rd.num_scheduled_tokens
+
+
+def python_reference_us(requests: int = 64, reps: int = 300) -> float:
+    """This host's speed at the executor's kind of Python, apart from the connector: microseconds to
+    read the fields of ``requests`` decode reports (:func:`read_report_fields`), the minimum of
+    ``reps`` tries on warm caches.  The executor figure follows the host's single-thread Python
+    speed (the same tree ran its Python-heavy callbacks 1.5-1.7 times slower on an H100 host than on the
+    CI VM: profiling/results/h100-7df3c49/cbtotals.log against vm-admission-split/cbtotals-vm.log),
+    so the bench prints this beside it for comparing hosts."""
+    from gds_kv_connector.trtllm_api import RequestData
+
+    reports = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[], computed_position=133,
+                           num_scheduled_tokens=1) for i in range(requests)]
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        read_report_fields(reports)
+        best = min(best, time.perf_counter_ns() - t0)
+    return round(best / 1e3, 2)
+
+
 def median_executor_run(runs: list[dict]) -> dict | None:
     """The run with the median callback time per iteration, with every run's figure beside it: on one
     GPU host two single runs gave 276 and 309 us (profiling/results/h100-90248eb/), their admission

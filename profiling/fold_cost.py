@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_executor import cpu_connector  # noqa: E402
+from bench_executor import cpu_connector, read_report_fields  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler  # noqa: E402
 from gds_kv_connector.reference import SimRequest  # noqa: E402
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput  # noqa: E402
@@ -58,13 +58,6 @@ def _admit(sched: GdsKvConnectorScheduler, reqs: list[SimRequest]) -> float:
         sched.get_num_new_matched_tokens(r, 0)
         sched.update_state_after_alloc(r, pages)
     return (time.thread_time_ns() - t0) / 1e3
-
-
-def _read_fields(reports: list[RequestData]) -> None:
-    """What every fold must do at least: read each report's fields (TensorRT-LLM's objects, new each
-    iteration); the rest of the fold's cost is the connector's own state."""
-    for rd in reports:
-        rd.request_id, rd.new_tokens, rd.new_block_ids, rd.computed_position, rd.num_scheduled_tokens
 
 
 def main() -> None:
@@ -117,7 +110,7 @@ def main() -> None:
                         sched.build_connector_meta(out)
                         pos += 1
                     else:
-                        _read_fields(out.cached_requests)
+                        read_report_fields(out.cached_requests)
                     into.append((time.thread_time_ns() - t0) / 1e3)
     rows = [("admission of 64, cold (misses)", cold), ("admission of 64, warm (all indexed)", warm)]
     for mib in touch:

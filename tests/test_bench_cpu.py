@@ -135,7 +135,7 @@ def test_bench_writes_baselines_and_connector_rows(bench_result):
 
 
 def test_bench_writes_executor_cost_and_match_time(bench_result):
-    res, _, _ = bench_result
+    res, stdout, _ = bench_result
     ex = res["executor"]
     assert ex["requests_per_batch"] == 64 and ex["num_layers"] == 32
     assert ex["iterations"] > 0 and ex["callback_us_per_iteration"] > 0
@@ -148,6 +148,9 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     assert all(set(x["gc"]) == {"collections", "ms"} for x in ex["rounds"])
     goal = next(g for g in res["goals"] if g["goal"] == "executor callbacks per iteration")
     assert "16 new tokens each" in goal["note"]
+    ref = ex["python_reference_us"]  # the host's Python speed, beside the figure it bounds
+    assert 0 < ref < ex["callback_us_per_iteration"] and f"in {ref:.2f} us (host Python reference)" in goal["note"]
+    assert f"decode reports' fields takes {ref:.2f} us (min of 300)" in stdout
     m = res["match"]
     assert m["blocks"] == 4096 and m["prompt_tokens"] > 128 * 1024
     assert m["warm_median_ms"] > 0 and m["first_call_ms"] > 0
