@@ -144,7 +144,8 @@ def python_reference_us(requests: int = 64, reps: int = 300) -> float:
     ``reps`` tries on warm caches.  The executor figure follows the host's single-thread Python
     speed (the same tree ran its Python-heavy callbacks 1.5-1.7 times slower on an H100 host than on the
     CI VM: profiling/results/h100-7df3c49/cbtotals.log against vm-admission-split/cbtotals-vm.log),
-    so the bench prints this beside it for comparing hosts."""
+    so the bench prints this beside it for comparing hosts: an indicator, since the reference itself
+    moved 1.3-2.2 times between those hosts (h100-6180e83/)."""
     from gds_kv_connector.trtllm_api import RequestData
 
     reports = [RequestData(request_id=i, new_tokens=[7], new_block_ids=[], computed_position=133,
