@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                         os.path.join(exec_root, f"exec-pool-{rep}"), device, kvd, tracer, arena_bytes=exec_arena,
                         new_tokens=args.exec_new_tokens)) for rep in range(args.repeat)]
                     res["executor"] = median_executor_run([r for r in runs if r]) or {"error": "failed"}
-                    res["executor"]["python_reference_us"] = python_reference_us()
+                    ex = res["executor"]
+                    if "error" not in ex:
+                        ex["python_reference_us"] = python_reference_us(ex["requests_per_batch"])
                 budget.phases_left -= 1
                 step_done()
                 progress("128k match")

@@ -141,7 +141,8 @@ def evaluate_goals(res: dict) -> list[dict]:
 
 def _python_reference(ex: dict) -> str:
     ref = ex.get("python_reference_us")
-    return "" if ref is None else f"; this host reads 64 reports' fields in {ref:.2f} us (host Python reference)"
+    return "" if ref is None else (f"; this host reads {ex['requests_per_batch']} reports' fields in {ref:.2f} us "
+                                   "(host Python reference)")
 
 
 def _trtllm_bound_note(rows: list[dict], goal_x: float) -> str:
