@@ -116,6 +116,15 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._tpb = self.config.tokens_per_block
         self._load, self._save = self.settings.load, self.settings.save
         self._prompt_only = self.settings.admission == "prompt"
+        mode = self.settings.save_generated
+        if mode == "auto":
+            mode = "finish" if self._sole_worker else "eager"
+        # Whether decode reports are folded: only to save generated blocks as they fill.  Otherwise a
+        # report is folded only while its request's prompt is being computed (``_prefilling``), and a
+        # finished request's generated blocks are saved from its final tokens and block ids: folding 64
+        # decode reports was most of a steady iteration's callback time (each report's state read cold).
+        self._fold_decode = self._save and not self._prompt_only and mode == "eager"
+        self._prefilling: set[int] = set()
         self._peer: PeerInfo | None = None
         self._base_fp = b""
         self._seeds: dict[str | None, bytes] = {}
@@ -245,7 +254,9 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
     def request_reset(self, request: Any) -> None:
         """V2: the allocation was released and the request replays from scratch."""
-        self._reqs.pop(_request_id(request), None)
+        rid = _request_id(request)
+        self._reqs.pop(rid, None)
+        self._prefilling.discard(rid)
 
     # -- per iteration ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> object:
@@ -269,10 +280,16 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     def _fold_reports(self, reports: Sequence[Any], first: bool, saves: list[SaveOp]) -> None:
         """Fold each scheduled request's report into its state and queue the saves it makes due.
 
-        Runs for every scheduled request every iteration, so it is one loop over locals: a decode
-        step of a 64-request batch spends most of the callback here.
+        With eager saving of generated blocks it runs for every scheduled request every iteration, so
+        it is one loop over locals; otherwise later reports are folded only for requests whose prompt
+        is still being computed, and a decode step costs nothing here.
         """
         reqs, tpb, save = self._reqs, self._tpb, self._save
+        prefilling = None if self._fold_decode else self._prefilling
+        if prefilling is not None and not first:
+            if not prefilling or not save:
+                return  # every scheduled request is decoding: nothing to fold until it finishes
+            reports = [rd for rd in reports if rd.request_id in prefilling]
         # Reports of one call share a type: whether it has V2's per-group ids is asked once, and each
         # report's field is then read directly (a getattr call per report cost about a tenth of a
         # 64-request decode step's fold); a report without it is still handled.
@@ -308,6 +325,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 op = self._due_save(st)
                 if op is not None:
                     saves.append(op)
+            if prefilling is not None:
+                if st.kv_end < st.prompt_len:
+                    prefilling.add(st.rid)
+                else:
+                    prefilling.discard(st.rid)
 
     def _due_save(self, st: _Request) -> SaveOp | None:
         """Blocks that are full and whose KV the forward will have written this iteration.
@@ -365,9 +387,12 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         with _RANGE_FINISHED:
             if getattr(request, "is_dummy_request", False):
                 return False
-            st = self._reqs.pop(_request_id(request), None)
+            rid = _request_id(request)
+            st = self._reqs.pop(rid, None)
             if st is None:
                 return False
+            prefilled = rid not in self._prefilling
+            self._prefilling.discard(rid)
             if self._save:  # the final tokens and block ids matter only to the last save
                 tpb, base = self._tpb, st.base
                 have = base + len(st.tokens)
@@ -382,6 +407,12 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                         st.tokens = tokens[base:]
                 if len(cache_block_ids) > len(st.block_ids):
                     st.block_ids = list(cache_block_ids)
+                if not self._fold_decode and prefilled and st.reported:
+                    # Its decode reports were not folded: every token but the last sampled one has
+                    # been through a forward, whose event the final save waits for.
+                    total = count if count is not None else st.base + len(st.tokens)
+                    if total - 1 > st.kv_end:
+                        st.kv_end = total - 1
                 final = self._due_save(st)
                 if final is not None:
                     if self._sole_worker:

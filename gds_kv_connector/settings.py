@@ -128,6 +128,13 @@ SPECS: tuple[SettingSpec, ...] = (
                 "evicted (protects promised and in-flight loads).", _non_negative),
     SettingSpec("admission", "all", str, "Which full blocks to save: all, prompt (prompt blocks only), "
                 "or seen:N (prefixes matched at least N times by this owner).", _admission),
+    SettingSpec("save_generated", "auto", str, "When a request's generated (decode) blocks are saved: "
+                "finish (all at once when the request finishes: the executor thread does no work per "
+                "running request per decode step), eager (each as soon as it is full: published sooner, "
+                "and fewer of the request's pages wait for saves when it finishes), or auto (finish where "
+                "the scheduler hands a finished request's saves straight to its worker, TP 1 or attention "
+                "DP; eager under plain TP, where they would wait for a later iteration's metadata).",
+                _one_of("auto", "finish", "eager")),
     SettingSpec("arena_bytes", 0, parse_size, "Bytes of slab files each owner preallocates and keeps blocks "
                 "in, instead of one file per block; 0 disables. On a host-memory pool (tmpfs, e.g. "
                 "/dev/shm) slabs are mapped and registered for DMA once, so blocks move at the PCIe limit; "
@@ -168,6 +175,7 @@ class Settings:
     low_watermark: float
     evict_grace_s: float
     admission: str
+    save_generated: str
     arena_bytes: int
     arena_slab_bytes: int
     arena_reuse_delay_s: float

@@ -2,7 +2,7 @@
 one checkout: the figures to alternate between two trees when a change moves one callback by less than
 the whole figure's run-to-run spread.
 
-    python profiling/callback_totals.py [--tree DIR] [--runs 5] [--device cuda]
+    python profiling/callback_totals.py [--tree DIR] [--runs 5] [--device cuda] [--new-tokens 16]
 
 Imports the package and the bench from ``--tree`` (default: this checkout), runs
 ``bench_executor.executor_cost`` ``--runs`` times (a cold round that saves, a warm round that loads the
@@ -31,9 +31,10 @@ def main() -> None:
                     help="checkout whose package and profiling/ are imported")
     ap.add_argument("--runs", type=int, default=5, help="executor phases run (each a cold and a warm round)")
     ap.add_argument("--device", default="cpu", help="where the KV pool lives: cpu or cuda")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens each request generates (the bench's 16)")
     a = ap.parse_args()
-    if a.runs < 1:
-        raise SystemExit("callback_totals.py: --runs must be 1 or more")
+    if a.runs < 1 or a.new_tokens < 1:
+        raise SystemExit("callback_totals.py: --runs and --new-tokens must be 1 or more")
     tree = os.path.abspath(a.tree)
     sys.path[:0] = [os.path.join(tree, "profiling"), tree]
     import torch
@@ -50,7 +51,7 @@ def main() -> None:
         root = tempfile.mkdtemp(dir=base)
         try:
             r = bench_executor.executor_cost(root, torch.device(a.device), KvikioDefaults(), Tracer(None, False),
-                                             arena_bytes=512 << 20)
+                                             arena_bytes=512 << 20, new_tokens=a.new_tokens)
         finally:
             shutil.rmtree(root)
         per_iter.append(r["callback_us_per_iteration"])

@@ -1,4 +1,8 @@
-"""The scheduler's per-iteration plan: what is saved, with which keys, and when nothing is due."""
+"""The scheduler's per-iteration plan: what is saved, with which keys, and when nothing is due.
+
+These fold decode reports, so they run with ``TLLM_GDS_KV_SAVE_GENERATED=eager``; the default for one
+worker (generated blocks saved when the request finishes) is tested in test_sched_save_generated.py.
+"""
 
 from types import SimpleNamespace
 
@@ -13,6 +17,11 @@ from gds_kv_connector.reference import SimRequest, fake_llm_args
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
 
 TPB = 4
+
+
+@pytest.fixture(autouse=True)
+def _eager(pool_env, monkeypatch):
+    monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", "eager")
 
 
 def _pair():

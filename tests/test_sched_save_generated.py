@@ -1,0 +1,180 @@
+"""When generated blocks are saved (``TLLM_GDS_KV_SAVE_GENERATED``).
+
+``finish`` (the default with one worker) folds no decode report: the blocks a request generated are
+saved when it finishes, from its final tokens and page ids. It must save exactly the blocks, keys,
+parents and pages that ``eager`` saves one by one, and still save prompt blocks as chunked prefill
+computes them.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.keys import base_fingerprint, block_keys
+from gds_kv_connector.pool_format import ZERO_KEY
+from gds_kv_connector.reference import fake_llm_args
+from gds_kv_connector.settings import Settings
+from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
+
+TPB = 4
+
+
+@pytest.fixture
+def connector(pool_env, monkeypatch):
+    made = []
+
+    def make(mode: str, **llm_kw):
+        monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", mode)
+        la = fake_llm_args(TPB, model="sched-save-generated", **llm_kw)
+        worker = GdsKvConnectorWorker(la)
+        made.append(worker)
+        worker.register_kv_caches(torch.zeros((64, 1, 2, 1024), dtype=torch.bfloat16))
+        sched = GdsKvConnectorScheduler(la)
+        sched.wait_for_initialization()
+        delivered = []
+        sched._connect().deliver_saves = delivered.extend  # a finished request's saves, handed over
+        return sched, delivered
+
+    yield make
+    for w in made:
+        w.shutdown()
+
+
+class _Req(SimpleNamespace):
+    def get_tokens(self, beam=0):
+        return list(self.tokens)
+
+    def get_num_tokens(self, beam=0):
+        return len(self.tokens)
+
+
+def _meta(sched, new=(), cached=()):
+    return sched.build_connector_meta(SchedulerOutput(new_requests=list(new), cached_requests=list(cached)))
+
+
+def _triples(ops):
+    return [t for op in ops for t in zip(op.keys, op.parents, op.block_ids)]
+
+
+def _drive(sched, delivered, rid, prompt, generated, chunk, finish=True):
+    """One request in TensorRT-LLM's order: the match, its prompt in chunks of ``chunk`` tokens, one
+    decode step per generated token after the first (each forwards the last token), then
+    ``request_finished``. Returns the saves of each iteration and those handed over at the end."""
+    pages = list(range(10, 10 + len(prompt) // TPB + len(generated) // TPB + 2))
+    req = _Req(request_id=rid, tokens=list(prompt))
+    sched.get_num_new_matched_tokens(req, 0)
+    per_iter = []
+    given = -(-min(chunk, len(prompt)) // TPB)
+    rd = RequestData(request_id=rid, new_tokens=list(prompt), new_block_ids=pages[:given], computed_position=0,
+                     num_scheduled_tokens=min(chunk, len(prompt)))
+    per_iter.append(_triples(_meta(sched, new=[rd]).saves))
+    done = min(chunk, len(prompt))
+    while done < len(prompt):  # later chunks: cached reports with the pages they need
+        n = min(chunk, len(prompt) - done)
+        need = -(-(done + n) // TPB)
+        rd = RequestData(request_id=rid, new_tokens=[], new_block_ids=pages[given:need], computed_position=done,
+                         num_scheduled_tokens=n)
+        given = need
+        per_iter.append(_triples(_meta(sched, cached=[rd]).saves))
+        done += n
+    if not finish:
+        return per_iter, req, pages[:given]
+    for i, tok in enumerate(generated):
+        req.tokens.append(tok)  # sampled by the last forward
+        if i == len(generated) - 1:
+            break  # the last token is never forwarded
+        pos = len(req.tokens) - 1
+        need = pos // TPB + 1
+        rd = RequestData(request_id=rid, new_tokens=[tok], new_block_ids=pages[given:need], computed_position=pos,
+                         num_scheduled_tokens=1)
+        given = max(given, need)
+        per_iter.append(_triples(_meta(sched, cached=[rd]).saves))
+    delivered.clear()
+    sched.request_finished(req, pages[:given])
+    return per_iter, _triples(delivered), pages
+
+
+@pytest.mark.parametrize("prompt_len,gen,chunk", [(10, 11, 64), (9, 24, 64), (13, 3, 5), (8, 1, 64), (17, 16, 4)])
+def test_finish_saves_what_eager_saves(connector, prompt_len, gen, chunk):
+    prompt = list(range(100, 100 + prompt_len))
+    generated = list(range(900, 900 + gen))
+    runs = {}
+    for rid, mode in enumerate(("eager", "finish")):
+        sched, delivered = connector(mode)
+        runs[mode] = _drive(sched, delivered, rid, prompt, generated, chunk)
+    tokens = prompt + generated
+    keys = block_keys(base_fingerprint(sched._peer.geometry), None, tokens, TPB)
+    pages = runs["finish"][2]
+    want = [(keys[b], keys[b - 1] if b else ZERO_KEY, pages[b]) for b in range((len(tokens) - 1) // TPB)]
+    for mode, (per_iter, at_end, _) in runs.items():
+        assert [t for it in per_iter for t in it] + at_end == want, mode
+    prompt_iters = -(-prompt_len // chunk)
+    eager_iters, finish_iters = runs["eager"][0], runs["finish"][0]
+    # prompt blocks go out in the iteration their chunk completes, in both modes
+    assert finish_iters[:prompt_iters] == eager_iters[:prompt_iters]
+    # no decode iteration saves anything in finish mode: generated blocks go at the end
+    assert not any(finish_iters[prompt_iters:])
+    n_prompt_saved = sum(len(it) for it in finish_iters[:prompt_iters])
+    assert len(runs["finish"][1]) == len(want) - n_prompt_saved
+
+
+class _Untouchable:
+    """A decode report whose every field but the id raises: the finish mode must not read them."""
+
+    def __init__(self, rid):
+        self.request_id = rid
+
+    def __getattr__(self, name):
+        raise AssertionError(f"decode report field {name} was read")
+
+
+def test_finish_reads_no_decode_report_of_a_decoding_request(connector):
+    sched, delivered = connector("finish")
+    prompt = list(range(10))
+    _drive(sched, delivered, 1, prompt, [], 64, finish=False)  # prompt computed in one report
+    state = sched._reqs[1]
+    tokens, kv_end = list(state.tokens), state.kv_end
+    assert not _meta(sched, cached=[_Untouchable(1)]).saves  # nothing else prefilling: not even the id
+    # another request in chunked prefill: reports are sifted by id, and only its own is folded
+    other = list(range(50, 63))
+    sched.get_num_new_matched_tokens(_Req(request_id=2, tokens=other), 0)
+    rd = RequestData(request_id=2, new_tokens=other, new_block_ids=[12], computed_position=0, num_scheduled_tokens=4)
+    assert [t[2] for t in _triples(_meta(sched, new=[rd]).saves)] == [12]  # its first chunk's block at once
+    rd = RequestData(request_id=2, new_tokens=[], new_block_ids=[13], computed_position=4, num_scheduled_tokens=4)
+    saves = _triples(_meta(sched, cached=[_Untouchable(1), rd]).saves)
+    assert [t[2] for t in saves] == [13]
+    assert (state.tokens, state.kv_end) == (tokens, kv_end)
+
+
+def test_finish_during_prefill_saves_only_computed_blocks(connector):
+    """A request that ends before its prompt is computed (cancelled between chunks): its KV covers
+    only the chunks reported, whatever its token count says."""
+    for mode in ("eager", "finish"):
+        sched, delivered = connector(mode)
+        prompt = list(range(200, 220))
+        req = _Req(request_id=3, tokens=list(prompt))
+        sched.get_num_new_matched_tokens(req, 0)
+        rd = RequestData(request_id=3, new_tokens=list(prompt), new_block_ids=[20, 21], computed_position=0,
+                         num_scheduled_tokens=6)
+        first = _triples(_meta(sched, new=[rd]).saves)
+        delivered.clear()
+        sched.request_finished(req, [20, 21])
+        assert [t[2] for t in first] == [20] and _triples(delivered) == [], mode  # block 1 half computed
+
+
+def test_auto_is_finish_with_one_worker_and_eager_under_plain_tp(connector):
+    prompt = list(range(300, 310))
+    generated = list(range(700, 707))
+    for kw, decode_saves in (({}, False), ({"attention_dp": True, "tp_size": 2}, False),
+                             ({"attention_dp": False, "tp_size": 2}, True)):
+        sched, delivered = connector("auto", **kw)
+        per_iter, _, _ = _drive(sched, delivered, 4, prompt, generated, 64)
+        assert any(per_iter[1:]) is decode_saves, kw
+
+
+def test_a_bad_value_is_refused_at_start_up(pool_env, monkeypatch):
+    monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", "later")
+    with pytest.raises(ValueError, match="SAVE_GENERATED.*must be one of auto, finish, eager"):
+        Settings.load_from()
