@@ -242,8 +242,12 @@ class SlotArena:
                 elif not slab.writable:
                     raise ArenaError("mapped read-only by this process")
                 else:
-                    os.close(slab.fd)
-                    slab.fd = fd  # the locked descriptor keeps the slab from now on
+                    # The locked descriptor takes the number the load mapped it with, in one step:
+                    # closing that number instead would let a file opened meanwhile (a block file
+                    # being written) take it, and a read that looked it up just before would read
+                    # that file (seen as a short slab read during a restart).
+                    os.dup2(fd, slab.fd, inheritable=False)
+                    os.close(fd)
                 slab.owned = True
             except (OSError, ArenaError, FormatError) as exc:
                 log.info("gds-kv arena: not adopting slab %s: %s", name, exc)

@@ -4,6 +4,7 @@ writes (disk pools)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import time
@@ -226,8 +227,18 @@ def test_adoption_takes_over_a_slab_a_load_mapped_first(shm_root, engine):
     b.arena = _arena(b, engine, 2, 2, 0.0)
     assert torch.equal(_load(b, engine, keys), d)  # maps the slab for reading, before the builder runs
     (name, mapped), = b.arena._slabs.items()
+    fd, ino = mapped.fd, os.fstat(mapped.fd).st_ino
     b.arena.start(background=False)
     assert b.arena._slabs[name] is mapped and b.arena.usage()["slabs_adopted"] == 1
+    # a read that looked the descriptor up before the adoption still reads the slab through it ...
+    assert mapped.fd == fd and os.fstat(fd).st_ino == ino
+    assert os.get_inheritable(fd) is False
+    other = os.open(os.path.join(b.arena.dir, name), os.O_RDONLY)
+    try:  # ... and the owner's lock is held through that number
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
     assert b.arena.usage()["used_slots"] == 2
     assert torch.equal(_load(b, engine, keys), d)
     b.arena.close()
