@@ -1,12 +1,12 @@
 """One long request's scheduler callbacks, each timed on its own: what a long prompt costs the executor
 thread outside the match (which the bench times as its 128k-token match goal).
 
-    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7]
+    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7] [--generated 3]
 
 For each of ``--requests`` new prompts of ``--blocks`` blocks of 32 tokens plus one token, none of them
 in the pool: ``get_num_new_matched_tokens`` (the cold match), ``update_state_after_alloc``,
 ``build_connector_meta`` with the request's first report (the whole prompt, every block due for saving),
-three decode reports of one token, and ``request_finished``.  Prints each callback's median in
+``--generated`` decode reports of one token (their sum is printed as well), and ``request_finished``.  Prints each callback's median in
 microseconds.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
 alternated in the shell.  No GPU: a CPU KV cache and a host-memory pool under /dev/shm.
 """
@@ -31,9 +31,11 @@ def main() -> None:
                     help="checkout whose package is imported")
     ap.add_argument("--blocks", type=int, default=4096, help="full blocks of 32 tokens in each prompt")
     ap.add_argument("--requests", type=int, default=7, help="prompts timed, each new")
+    ap.add_argument("--generated", type=int, default=3, help="decode reports of one token before the request "
+                    "finishes (32 or more complete a generated block)")
     a = ap.parse_args()
-    if a.blocks < 1 or a.requests < 1:
-        raise SystemExit("long_request.py: --blocks and --requests must be 1 or more")
+    if a.blocks < 1 or a.requests < 1 or a.generated < 1:
+        raise SystemExit("long_request.py: --blocks, --requests and --generated must be 1 or more")
     tree = os.path.abspath(a.tree)
     # the package from the tree; the rig (bench_executor.cpu_connector) from this checkout, so an older
     # tree can be timed by the same code
@@ -74,11 +76,16 @@ def main() -> None:
             if sum(len(op.keys) for op in meta.saves) != a.blocks:
                 raise SystemExit(f"long_request.py: the first report made {len(meta.saves)} saves, not "
                                  f"one of {a.blocks} blocks")
-            for k in range(3):
+            decode_us = 0.0
+            for k in range(a.generated):
                 req.tokens.append(5)
-                step = report(rid, [5], [], n_tokens + k, 1, False)
+                step = report(rid, [5], [a.blocks + 1 + k // TPB] if (n_tokens + k) % TPB == 0 else [],
+                              n_tokens + k, 1, False)
                 timed("build_connector_meta, a decode report", lambda: sched.build_connector_meta(step))
-            timed("request_finished", lambda: sched.request_finished(req, pages))
+                decode_us += times["build_connector_meta, a decode report"][-1]
+            times["build_connector_meta, all decode reports"].append(decode_us)
+            ids = pages + list(range(a.blocks + 1, a.blocks + 1 + (a.generated + TPB - 1) // TPB))
+            timed("request_finished", lambda: sched.request_finished(req, ids))
     print(f"{tree}: {a.requests} requests of {n_tokens} tokens, median us per call")
     for name, xs in times.items():
         print(f"  {name:40s} {statistics.median(xs):9.1f}")
