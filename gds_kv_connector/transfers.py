@@ -203,10 +203,15 @@ class TransferManager:
 
     def poll(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         now = time.monotonic()
-        while not self._inbox.empty():
+        if not self._inbox.empty():
+            # One submission for every request that finished since the last poll: a batch's requests
+            # finish together, and a submission each cost a thread hand-off and a future per request.
             if self._last_event is None:
                 self._last_event = self._record_event(self._forward_stream)
-            self.submit_saves(self._inbox.get_nowait(), self._last_event)
+            handed: list[SaveOp] = []
+            while not self._inbox.empty():
+                handed += self._inbox.get_nowait()
+            self.submit_saves(handed, self._last_event)
         finishing, loading = self._finishing, self._loading
         for rid in finished_gen_req_ids:
             finishing.setdefault(rid, now)

@@ -205,6 +205,24 @@ def test_delivered_saves_wait_for_an_event_recorded_only_when_they_arrive(tmp_pa
         r.close()
 
 
+def test_saves_of_requests_finished_together_go_out_as_one_submission(tmp_path):
+    """With generated blocks saved at the end, a batch's requests finish in one iteration and each
+    hands its saves over: the next poll submits them together (shared batches, one hand-off), and
+    each request is still reported once its own blocks are saved."""
+    r = Rig(str(tmp_path / "pool"), num_blocks=40, TLLM_GDS_KV_TRANSFER_THREADS="2")
+    submissions = []
+    submit = r.tm._submit_many
+    r.tm._submit_many = lambda ops, *a: submissions.append(len(ops)) or submit(ops, *a)
+    try:
+        for rid in range(6):
+            r.tm.deliver_saves([r.save_op(rid, [fh.key_of("end", rid, j) for j in range(2)], first_block=2 * rid)])
+        r.poll_until(finished=range(6), want_saved=range(6))
+        assert submissions == [6]
+        assert r.stats.snapshot()["blocks_saved"] == 12
+    finally:
+        r.close()
+
+
 def test_match_counters_reach_the_shared_stats_once_per_iteration(pool_env):
     ex = make_executor()
     prompts = [rand_tokens(70, seed) for seed in (1, 2)]
