@@ -260,8 +260,7 @@ def match_time(root: str, device: torch.device, io_threads: int, kvd: KvikioDefa
                         if unindexed:
                             for pool in sched._lookup_pools:
                                 pool._index.clear()
-                        req = SimRequest(rid, prompt)
-                        req.tokens = list(prompt)
+                        req = SimRequest(rid, prompt, tokens=list(prompt))  # held as C ints, as TensorRT-LLM's
                         t0 = time.perf_counter()
                         matched, is_async = sched.get_num_new_matched_tokens(req, 0)
                         times.append(time.perf_counter() - t0)

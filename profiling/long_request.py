@@ -1,19 +1,22 @@
 """One long request's scheduler callbacks, each timed on its own: what a long prompt costs the executor
 thread outside the match (which the bench times as its 128k-token match goal).
 
-    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7] [--generated 3]
+    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7] [--generated 3] [--convert]
 
 For each of ``--requests`` new prompts of ``--blocks`` blocks of 32 tokens plus one token, none of them
 in the pool: ``get_num_new_matched_tokens`` (the cold match), ``update_state_after_alloc``,
 ``build_connector_meta`` with the request's first report (the whole prompt, every block due for saving),
 ``--generated`` decode reports of one token (their sum is printed as well), and ``request_finished``.  Prints each callback's median in
-microseconds.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
+microseconds.  ``--convert`` makes the request's ``get_tokens`` build a new int per token from an
+int32 array, as TensorRT-LLM's binding converts its C++ vector, where the reference's copies a list;
+``get_token`` (one token) is offered as the binding offers it.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
 alternated in the shell.  No GPU: a CPU KV cache and a host-memory pool under /dev/shm.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import os
 import random
@@ -31,6 +34,8 @@ def main() -> None:
                     help="checkout whose package is imported")
     ap.add_argument("--blocks", type=int, default=4096, help="full blocks of 32 tokens in each prompt")
     ap.add_argument("--requests", type=int, default=7, help="prompts timed, each new")
+    ap.add_argument("--convert", action="store_true", help="get_tokens converts every token, as TensorRT-LLM's "
+                    "binding does (the reference executor's copies a list)")
     ap.add_argument("--generated", type=int, default=3, help="decode reports of one token before the request "
                     "finishes (32 or more complete a generated block)")
     a = ap.parse_args()
@@ -46,6 +51,22 @@ def main() -> None:
     from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
     if not os.path.realpath(gds_kv_connector.__file__).startswith(os.path.realpath(tree)):
         raise SystemExit(f"long_request.py: imported {gds_kv_connector.__file__}, not the package of {tree}")
+
+    class Converting(SimRequest):
+        """Tokens kept as C ints; each read makes Python ints of them, as a bound C++ vector does."""
+
+        def get_tokens(self, beam: int = 0) -> list[int]:
+            return self._arr.tolist()
+
+        def get_token(self, beam: int, pos: int) -> int:
+            return self._arr[pos]
+
+    def make_request(rid: int, prompt: list[int]) -> Any:
+        if not a.convert:
+            return SimRequest(rid, prompt, tokens=list(prompt))
+        req = Converting(rid, prompt, tokens=list(prompt))
+        req._arr = array.array("i", prompt)
+        return req
 
     n_tokens = a.blocks * TPB + 1
     pages = list(range(a.blocks + 1))
@@ -68,7 +89,7 @@ def main() -> None:
     with cpu_connector("long-request", TPB, 8) as (sched, _):
         for rid in range(1, a.requests + 1):
             prompt = [rng.randrange(32000) for _ in range(n_tokens)]
-            req = SimRequest(rid, prompt, tokens=list(prompt))
+            req = make_request(rid, prompt)
             timed("get_num_new_matched_tokens (cold)", lambda: sched.get_num_new_matched_tokens(req, 0))
             timed("update_state_after_alloc", lambda: sched.update_state_after_alloc(req, pages))
             first = report(rid, list(prompt), pages, 0, n_tokens, True)
@@ -79,6 +100,8 @@ def main() -> None:
             decode_us = 0.0
             for k in range(a.generated):
                 req.tokens.append(5)
+                if a.convert:
+                    req._arr.append(5)
                 step = report(rid, [5], [a.blocks + 1 + k // TPB] if (n_tokens + k) % TPB == 0 else [],
                               n_tokens + k, 1, False)
                 timed("build_connector_meta, a decode report", lambda: sched.build_connector_meta(step))

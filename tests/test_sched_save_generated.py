@@ -178,3 +178,53 @@ def test_a_bad_value_is_refused_at_start_up(pool_env, monkeypatch):
     monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", "later")
     with pytest.raises(ValueError, match="SAVE_GENERATED.*must be one of auto, finish, eager"):
         Settings.load_from()
+
+
+class _Counted(_Req):
+    """TensorRT-LLM's request surface at the end: a token count, one token at a time (``get_token``),
+    and the whole list (``get_tokens``), each read counted."""
+
+    def get_tokens(self, beam=0):
+        self.whole += 1
+        return list(self.tokens)
+
+    def get_token(self, beam, pos):
+        self.single += 1
+        return self.tokens[pos]
+
+
+@pytest.mark.parametrize("mode", ["eager", "finish"])
+def test_a_long_request_reads_only_its_new_tokens_at_the_end(connector, mode):
+    """Saving the few generated blocks of a long prompt reads those tokens one by one, not the whole
+    list (TensorRT-LLM converts every token of it); the saves are those made from the whole list.
+    A request whose last held token differs is read whole, as before. Eager saving meets the same
+    case when the last reports carried no tokens."""
+    sched, delivered = connector(mode)
+    prompt = list(range(1000, 1000 + 40 * TPB + 2))  # 40 full blocks and two tokens, held
+    generated = list(range(5000, 5000 + 2 * TPB))  # completes two more blocks
+    pages = list(range(43))
+    req = _Counted(request_id=7, tokens=list(prompt), whole=0, single=0)
+    sched.get_num_new_matched_tokens(req, 0)
+    rd = RequestData(request_id=7, new_tokens=list(prompt), new_block_ids=pages[:40], computed_position=0,
+                     num_scheduled_tokens=len(prompt))
+    first = _triples(_meta(sched, new=[rd]).saves)
+    if mode == "eager":  # its reports say the KV is written but carry no tokens (the overlap scheduler's lag)
+        _meta(sched, cached=[RequestData(request_id=7, new_tokens=[], new_block_ids=pages[40:], computed_position=
+                                         len(prompt), num_scheduled_tokens=len(generated) + 1)])
+    req.tokens += generated
+    req.whole = 0
+    sched.request_finished(req, pages)
+    keys = block_keys(base_fingerprint(sched._peer.geometry), None, req.tokens, TPB)
+    assert len(first) == 40
+    assert _triples(delivered) == [(keys[b], keys[b - 1], pages[b]) for b in (40, 41)]
+    assert req.whole == 0 and req.single == len(generated) + 1  # the tail and one check of the held token
+
+    delivered.clear()
+    other = _Counted(request_id=8, tokens=list(prompt), whole=0, single=0)
+    sched.get_num_new_matched_tokens(other, 0)
+    _meta(sched, new=[RequestData(request_id=8, new_tokens=list(prompt), new_block_ids=pages[:40],
+                                  computed_position=0, num_scheduled_tokens=len(prompt))])
+    other.tokens = prompt[:-1] + [7] + generated  # its last held token changed: read whole, nothing saved
+    other.whole = 0
+    sched.request_finished(other, pages)
+    assert other.whole == 1 and delivered == []
