@@ -130,8 +130,9 @@ SPECS: tuple[SettingSpec, ...] = (
                 "or seen:N (prefixes matched at least N times by this owner).", _admission),
     SettingSpec("save_generated", "auto", str, "When a request's generated (decode) blocks are saved: "
                 "finish (all at once when the request finishes: the executor thread does no work per "
-                "running request per decode step, and reads the tokens it lacks once at the end), eager (each as soon as it is full: published sooner, "
-                "and fewer of the request's pages wait for saves when it finishes), or auto (finish where "
+                "running request per decode step, and reads the tokens it lacks once at the end), eager "
+                "(each as soon as it is full: published sooner, and fewer of the request's pages wait "
+                "for saves when it finishes), or auto (finish where "
                 "the scheduler hands a finished request's saves straight to its worker, TP 1 or attention "
                 "DP; eager under plain TP, where they would wait for a later iteration's metadata).",
                 _one_of("auto", "finish", "eager")),
