@@ -1,15 +1,17 @@
 """One long request's scheduler callbacks, each timed on its own: what a long prompt costs the executor
 thread outside the match (which the bench times as its 128k-token match goal).
 
-    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7] [--generated 3] [--convert]
+    python profiling/long_request.py [--tree DIR] [--blocks 4096] [--requests 7] [--generated 3]
+        [--convert]
 
 For each of ``--requests`` new prompts of ``--blocks`` blocks of 32 tokens plus one token, none of them
 in the pool: ``get_num_new_matched_tokens`` (the cold match), ``update_state_after_alloc``,
 ``build_connector_meta`` with the request's first report (the whole prompt, every block due for saving),
-``--generated`` decode reports of one token (their sum is printed as well), and ``request_finished``.  Prints each callback's median in
-microseconds.  ``--convert`` makes the request's ``get_tokens`` build a new int per token from an
-int32 array, as TensorRT-LLM's binding converts its C++ vector, where the reference's copies a list;
-``get_token`` (one token) is offered as the binding offers it.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
+``--generated`` decode reports of one token (their sum is printed as well), and ``request_finished``.
+Prints each callback's median in microseconds.  ``--convert`` uses a request whose ``get_tokens``
+builds a new int per token from an int32 array and which offers ``get_token``, as TensorRT-LLM's
+binding does: the reference's own request does so since b6ca524, so the option makes older trees
+comparable.  Imports the package from ``--tree`` (default: this checkout), so two trees can be
 alternated in the shell.  No GPU: a CPU KV cache and a host-memory pool under /dev/shm.
 """
 
