@@ -166,6 +166,15 @@ class BlockPool:
             break
         return n - start
 
+    def absent(self, key: bytes) -> bool:
+        """True if ``key`` is neither in the index nor a block file of this pool.  Indexes nothing:
+        a present key is left for :meth:`match_chain` to find with the rest of its prompt (an
+        indexed first key would send a long prompt past the one call that stats behind the hashing)."""
+        if self._index.get(key, 0.0) > time.monotonic():
+            return False
+        sizes = self.ops.present_run(self._key_dirs, [key], 0, BLOCK_SUFFIX)
+        return not (sizes and self._size_ok(sizes[0]))
+
     def match_chain(self, prev: bytes, tokens: list[int], tokens_per_block: int,
                     num_blocks: int) -> tuple[list[bytes], int]:
         """The keys of the first ``num_blocks`` blocks of ``tokens`` (``prev``: the chain seed) and

@@ -219,3 +219,75 @@ def test_block_ids_reported_per_layer_group_or_by_an_older_report_type(pool_env)
         assert [(s.keys, s.block_ids) for s in meta.saves] == [((keys[2],), (6,))]
     finally:
         worker.shutdown()
+
+
+class _Counted(SimpleNamespace):
+    """TensorRT-LLM's request surface for the match: a count, one token at a time, the whole list."""
+
+    def get_tokens(self, beam=0):
+        self.whole += 1
+        return list(self.tokens)
+
+    def get_token(self, beam, pos):
+        self.single += 1
+        return self.tokens[pos]
+
+    def get_num_tokens(self, beam=0):
+        return len(self.tokens)
+
+
+def test_a_new_long_prompt_missing_from_the_pool_is_answered_from_its_first_block(pool_env):
+    """TensorRT-LLM's get_tokens converts every token; a long prompt whose first block is not in the
+    pool cannot match, so only that block's tokens are read, and its first report's tokens key its
+    saves. One whose first block is there is matched as before."""
+    from gds_kv_connector.scheduler import _PROBE_MIN_TOKENS
+
+    sched, worker = _pair()
+    try:
+        prompt = list(range(7000, 7000 + _PROBE_MIN_TOKENS + 2))
+        req = _Counted(request_id=1, tokens=list(prompt), whole=0, single=0)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert (req.whole, req.single) == (0, TPB)
+        n_blocks = len(prompt) // TPB
+        meta = _report(sched, 1, list(prompt), list(range(n_blocks + 1)), 0, len(prompt), first=True)
+        keys = _keys(sched, prompt)
+        assert [t for s in meta.saves for t in s.keys] == keys[:n_blocks]
+
+        # only the first block saved: the probe finds it, the match runs as before and finds one block
+        other = list(range(9000, 9000 + _PROBE_MIN_TOKENS + 2))
+        okeys = _keys(sched, other)
+        data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
+        assert not save_blocks(worker.pool, worker.transfers.engine, okeys[:1], [ZERO_KEY], [data]).failed
+        worker.pool.forget(okeys[0])  # as another process saved it
+        req2 = _Counted(request_id=2, tokens=list(other), whole=0, single=0)
+        assert sched.get_num_new_matched_tokens(req2, 0)[0] == TPB
+        assert req2.whole == 1
+
+        # a short prompt, or a request without get_token, is read whole
+        req3 = _Counted(request_id=3, tokens=list(range(300, 310)), whole=0, single=0)
+        sched.get_num_new_matched_tokens(req3, 0)
+        assert (req3.whole, req3.single) == (1, 0)
+        bare = SimpleNamespace(request_id=4, whole=0)
+
+        def whole(beam=0):
+            bare.whole += 1
+            return other[5:]
+        bare.get_tokens = whole
+        assert sched.get_num_new_matched_tokens(bare, 0) == (0, False) and bare.whole == 1
+    finally:
+        worker.shutdown()
+
+
+def test_admission_by_seen_count_reads_the_whole_prompt(pool_env, monkeypatch):
+    """seen:N counts every prefix of a prompt, so the first-block answer is not taken."""
+    from gds_kv_connector.scheduler import _PROBE_MIN_TOKENS
+
+    monkeypatch.setenv("TLLM_GDS_KV_ADMISSION", "seen:2")
+    sched, worker = _pair()
+    try:
+        prompt = list(range(7000, 7000 + _PROBE_MIN_TOKENS + 2))
+        req = _Counted(request_id=1, tokens=list(prompt), whole=0, single=0)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert req.whole == 1 and len(sched._seen) == len(prompt) // TPB
+    finally:
+        worker.shutdown()
