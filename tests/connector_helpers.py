@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
@@ -27,3 +28,23 @@ def serve(ex: ReferenceExecutor, prompts: list[list[int]], max_new_tokens: int =
         ex.submit(SimRequest(first_id + i, p, max_new_tokens=max_new_tokens, cache_salt=salt,
                              device_hit_blocks=device_hit_blocks))
     return ex.run_until_done()
+
+
+class CountedRequest(SimpleNamespace):
+    """TensorRT-LLM's request surface for reading tokens: a count (``get_num_tokens``), one token at a
+    time (``get_token``) and the whole list (``get_tokens``, which the binding converts), each read
+    counted in ``single`` and ``whole``."""
+
+    def __init__(self, request_id: int, tokens: list[int]) -> None:
+        super().__init__(request_id=request_id, tokens=tokens, whole=0, single=0)
+
+    def get_tokens(self, beam: int = 0) -> list[int]:
+        self.whole += 1
+        return list(self.tokens)
+
+    def get_token(self, beam: int, pos: int) -> int:
+        self.single += 1
+        return self.tokens[pos]
+
+    def get_num_tokens(self, beam: int = 0) -> int:
+        return len(self.tokens)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from connector_helpers import CountedRequest
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.keys import base_fingerprint, block_keys
@@ -221,21 +222,6 @@ def test_block_ids_reported_per_layer_group_or_by_an_older_report_type(pool_env)
         worker.shutdown()
 
 
-class _Counted(SimpleNamespace):
-    """TensorRT-LLM's request surface for the match: a count, one token at a time, the whole list."""
-
-    def get_tokens(self, beam=0):
-        self.whole += 1
-        return list(self.tokens)
-
-    def get_token(self, beam, pos):
-        self.single += 1
-        return self.tokens[pos]
-
-    def get_num_tokens(self, beam=0):
-        return len(self.tokens)
-
-
 def test_a_new_long_prompt_missing_from_the_pool_is_answered_from_its_first_block(pool_env):
     """TensorRT-LLM's get_tokens converts every token; a long prompt whose first block is not in the
     pool cannot match, so only that block's tokens are read, and its first report's tokens key its
@@ -245,7 +231,7 @@ def test_a_new_long_prompt_missing_from_the_pool_is_answered_from_its_first_bloc
     sched, worker = _pair()
     try:
         prompt = list(range(7000, 7000 + _PROBE_MIN_TOKENS + 2))
-        req = _Counted(request_id=1, tokens=list(prompt), whole=0, single=0)
+        req = CountedRequest(1, list(prompt))
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert (req.whole, req.single) == (0, TPB)
         n_blocks = len(prompt) // TPB
@@ -259,12 +245,12 @@ def test_a_new_long_prompt_missing_from_the_pool_is_answered_from_its_first_bloc
         data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
         assert not save_blocks(worker.pool, worker.transfers.engine, okeys[:1], [ZERO_KEY], [data]).failed
         worker.pool.forget(okeys[0])  # as another process saved it
-        req2 = _Counted(request_id=2, tokens=list(other), whole=0, single=0)
+        req2 = CountedRequest(2, list(other))
         assert sched.get_num_new_matched_tokens(req2, 0)[0] == TPB
         assert req2.whole == 1
 
         # a short prompt, or a request without get_token, is read whole
-        req3 = _Counted(request_id=3, tokens=list(range(300, 310)), whole=0, single=0)
+        req3 = CountedRequest(3, list(range(300, 310)))
         sched.get_num_new_matched_tokens(req3, 0)
         assert (req3.whole, req3.single) == (1, 0)
         bare = SimpleNamespace(request_id=4, whole=0)
@@ -286,7 +272,7 @@ def test_admission_by_seen_count_reads_the_whole_prompt(pool_env, monkeypatch):
     sched, worker = _pair()
     try:
         prompt = list(range(7000, 7000 + _PROBE_MIN_TOKENS + 2))
-        req = _Counted(request_id=1, tokens=list(prompt), whole=0, single=0)
+        req = CountedRequest(1, list(prompt))
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert req.whole == 1 and len(sched._seen) == len(prompt) // TPB
     finally:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from connector_helpers import CountedRequest
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.keys import base_fingerprint, block_keys
 from gds_kv_connector.pool_format import ZERO_KEY
@@ -180,19 +181,6 @@ def test_a_bad_value_is_refused_at_start_up(pool_env, monkeypatch):
         Settings.load_from()
 
 
-class _Counted(_Req):
-    """TensorRT-LLM's request surface at the end: a token count, one token at a time (``get_token``),
-    and the whole list (``get_tokens``), each read counted."""
-
-    def get_tokens(self, beam=0):
-        self.whole += 1
-        return list(self.tokens)
-
-    def get_token(self, beam, pos):
-        self.single += 1
-        return self.tokens[pos]
-
-
 @pytest.mark.parametrize("mode", ["eager", "finish"])
 def test_a_long_request_reads_only_its_new_tokens_at_the_end(connector, mode):
     """Saving the few generated blocks of a long prompt reads those tokens one by one, not the whole
@@ -203,7 +191,7 @@ def test_a_long_request_reads_only_its_new_tokens_at_the_end(connector, mode):
     prompt = list(range(1000, 1000 + 40 * TPB + 2))  # 40 full blocks and two tokens, held
     generated = list(range(5000, 5000 + 2 * TPB))  # completes two more blocks
     pages = list(range(43))
-    req = _Counted(request_id=7, tokens=list(prompt), whole=0, single=0)
+    req = CountedRequest(7, list(prompt))
     sched.get_num_new_matched_tokens(req, 0)
     rd = RequestData(request_id=7, new_tokens=list(prompt), new_block_ids=pages[:40], computed_position=0,
                      num_scheduled_tokens=len(prompt))
@@ -220,7 +208,7 @@ def test_a_long_request_reads_only_its_new_tokens_at_the_end(connector, mode):
     assert req.whole == 0 and req.single == len(generated) + 1  # the tail and one check of the held token
 
     delivered.clear()
-    other = _Counted(request_id=8, tokens=list(prompt), whole=0, single=0)
+    other = CountedRequest(8, list(prompt))
     sched.get_num_new_matched_tokens(other, 0)
     _meta(sched, new=[RequestData(request_id=8, new_tokens=list(prompt), new_block_ids=pages[:40],
                                   computed_position=0, num_scheduled_tokens=len(prompt))])
