@@ -121,7 +121,8 @@ def evaluate_goals(res: dict) -> list[dict]:
     if m.get("warm_median_ms") is not None:
         add("128k-token prompt match (warm index)", f"<= {GOALS['match_128k_ms']:g} ms",
             f"median {m['warm_median_ms']:.2f} ms (min {m['warm_min_ms']:.2f}, first {m['first_call_ms']:.1f})",
-            m["warm_median_ms"] <= GOALS["match_128k_ms"])
+            m["warm_median_ms"] <= GOALS["match_128k_ms"],
+            "the request's get_tokens makes a new int per token, as TensorRT-LLM's binding does")
     if m.get("unindexed_median_ms") is not None:
         add("128k-token prompt match (unindexed: saved elsewhere)", f"<= {GOALS['match_128k_ms']:g} ms",
             f"median {m['unindexed_median_ms']:.2f} ms (min {m['unindexed_min_ms']:.2f})",
