@@ -44,6 +44,8 @@ def connector(pool_env, monkeypatch):
 
 
 class _Req(SimpleNamespace):
+    """A request without ``get_token``: its end reads the whole token list (``CountedRequest`` has it)."""
+
     def get_tokens(self, beam=0):
         return list(self.tokens)
 
