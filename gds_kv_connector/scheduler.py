@@ -15,7 +15,7 @@ from .keys import base_fingerprint, chain_from_tokens, chain_seed
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
-from .nvtx_ranges import nvtx_range
+from .nvtx_ranges import traced
 from .pool import BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
@@ -31,12 +31,6 @@ _TAIL_RATIO = 8
 # A new prompt this long whose first block is not in the pool is answered from that block's tokens
 # alone: 32 bound calls against converting at least this many tokens.
 _PROBE_MIN_TOKENS = 1024
-# Built once: a range object keeps no state between enter and exit, and constructing one per
-# callback is measurable on the executor thread.
-_RANGE_MATCH = nvtx_range("sched/match", "green")
-_RANGE_AFTER_ALLOC = nvtx_range("sched/after_alloc", "green")
-_RANGE_BUILD_META = nvtx_range("sched/build_meta", "green")
-_RANGE_FINISHED = nvtx_range("sched/request_finished", "green")
 
 
 @dataclass(slots=True)  # slots: its fields are read for every request every iteration
@@ -186,46 +180,46 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         return st
 
     # -- admission --------------------------------------------------------------------------------
+    @traced("sched/match", "green")
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
-        with _RANGE_MATCH:
-            if not self._load or getattr(request, "is_dummy_request", False):
-                return 0, False
-            tpb = self._tpb
-            st = self._state(request)
-            if num_computed_tokens == 0 and not st.tokens and self._first_block_absent(request, st):
-                return 0, False
-            st.set_tokens(request.get_tokens(0), adopt=True)
-            st.prompt_len = total = st.base + len(st.tokens)
-            if num_computed_tokens % tpb:
-                return 0, False
-            first = num_computed_tokens // tpb
-            limit = (total - 1) // tpb  # always leave one prompt token to compute
-            if first >= limit:
-                return 0, False
-            pools = self._lookup_pools
-            if first == 0 and not st.keys:
-                # a new prompt: keyed and counted by the pool, a long one in one step (match_chain)
-                st.keys, n = pools[0].match_chain(st.seed, st.tokens, tpb, limit)
-                keys, pools = st.keys, pools[1:]
-            else:
-                keys, n = st.keys_upto(limit, tpb), limit - first
-            st.drop_keyed(tpb)
-            self._note_seen(keys)
-            for pool in pools:  # every TP shard must hold the block
-                if n == 0:
-                    break
-                n = min(n, pool.count_present(keys, first))
-            m = self._match  # folded into the shared counters once per iteration (build_connector_meta)
-            m[0] += 1
-            m[1] += n
-            m[2] += limit - first - n
+        if not self._load or getattr(request, "is_dummy_request", False):
+            return 0, False
+        tpb = self._tpb
+        st = self._state(request)
+        if num_computed_tokens == 0 and not st.tokens and self._first_block_absent(request, st):
+            return 0, False
+        st.set_tokens(request.get_tokens(0), adopt=True)
+        st.prompt_len = total = st.base + len(st.tokens)
+        if num_computed_tokens % tpb:
+            return 0, False
+        first = num_computed_tokens // tpb
+        limit = (total - 1) // tpb  # always leave one prompt token to compute
+        if first >= limit:
+            return 0, False
+        pools = self._lookup_pools
+        if first == 0 and not st.keys:
+            # a new prompt: keyed and counted by the pool, a long one in one step (match_chain)
+            st.keys, n = pools[0].match_chain(st.seed, st.tokens, tpb, limit)
+            keys, pools = st.keys, pools[1:]
+        else:
+            keys, n = st.keys_upto(limit, tpb), limit - first
+        st.drop_keyed(tpb)
+        self._note_seen(keys)
+        for pool in pools:  # every TP shard must hold the block
             if n == 0:
-                return 0, False
-            is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
-            hit = keys[first:first + n]
-            self._recency.touch(hit)  # protects the promise from eviction until pinned
-            st.pending_load = (first, hit, is_async)
-            return n * tpb, is_async
+                break
+            n = min(n, pool.count_present(keys, first))
+        m = self._match  # folded into the shared counters once per iteration (build_connector_meta)
+        m[0] += 1
+        m[1] += n
+        m[2] += limit - first - n
+        if n == 0:
+            return 0, False
+        is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
+        hit = keys[first:first + n]
+        self._recency.touch(hit)  # protects the promise from eviction until pinned
+        st.pending_load = (first, hit, is_async)
+        return n * tpb, is_async
 
     def _first_block_absent(self, request: Any, st: _Request) -> bool:
         """For a new long prompt, whether its first block is missing from the pool, read from that
@@ -249,32 +243,32 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         m[2] += (count - 1) // tpb
         return True
 
+    @traced("sched/after_alloc", "green")
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
-        with _RANGE_AFTER_ALLOC:
-            st = self._reqs.get(_request_id(request))
-            if st is None or st.pending_load is None:
+        st = self._reqs.get(_request_id(request))
+        if st is None or st.pending_load is None:
+            return
+        first, keys, is_async = st.pending_load
+        st.pending_load = None
+        n = len(keys)
+        ids = block_ids[first:first + n]
+        if len(ids) < n:
+            raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {n} blocks from "
+                               f"block {first} but only {len(ids)} pages were allocated")
+        if min(ids) >= 0:
+            op = LoadOp(st.rid, tuple(keys), tuple(ids), is_async)
+        else:
+            pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
+            if not pairs:
                 return
-            first, keys, is_async = st.pending_load
-            st.pending_load = None
-            n = len(keys)
-            ids = block_ids[first:first + n]
-            if len(ids) < n:
-                raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {n} blocks from "
-                                   f"block {first} but only {len(ids)} pages were allocated")
-            if min(ids) >= 0:
-                op = LoadOp(st.rid, tuple(keys), tuple(ids), is_async)
-            else:
-                pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
-                if not pairs:
-                    return
-                op = LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs), is_async)
-            self._out_loads.append(op)
-            tpb = self._tpb
-            st.load_range = (first, first + n)
-            st.kv_end = max(st.kv_end, (first + n) * tpb)
-            if not is_async:
-                st.sync_loaded_tokens = n * tpb
-            st.dispatched = True
+            op = LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs), is_async)
+        self._out_loads.append(op)
+        tpb = self._tpb
+        st.load_range = (first, first + n)
+        st.kv_end = max(st.kv_end, (first + n) * tpb)
+        if not is_async:
+            st.sync_loaded_tokens = n * tpb
+        st.dispatched = True
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """V2: the runtime will not use offered tokens [start, end); drop what has not been sent."""
@@ -289,15 +283,15 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._prefilling.discard(rid)
 
     # -- per iteration ----------------------------------------------------------------------------
+    @traced("sched/build_meta", "green")
     def build_connector_meta(self, scheduler_output: Any) -> object:
-        with _RANGE_BUILD_META:
-            saves = self._out_saves
-            self._fold_reports(scheduler_output.new_requests, True, saves)
-            self._fold_reports(scheduler_output.cached_requests, False, saves)
-            meta = GdsKvMetadata(self._out_loads, saves)
-            self._out_loads, self._out_saves = [], []
-            self._flush_match_counts()
-            return meta
+        saves = self._out_saves
+        self._fold_reports(scheduler_output.new_requests, True, saves)
+        self._fold_reports(scheduler_output.cached_requests, False, saves)
+        meta = GdsKvMetadata(self._out_loads, saves)
+        self._out_loads, self._out_saves = [], []
+        self._flush_match_counts()
+        return meta
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,
@@ -413,47 +407,47 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._seen.popitem(last=False)
 
     # -- completion -------------------------------------------------------------------------------
+    @traced("sched/request_finished", "green")
     def request_finished(self, request: Any, cache_block_ids: List[int]) -> bool:
-        with _RANGE_FINISHED:
-            if getattr(request, "is_dummy_request", False):
-                return False
-            rid = _request_id(request)
-            st = self._reqs.pop(rid, None)
-            if st is None:
-                return False
-            prefilled = rid not in self._prefilling
-            self._prefilling.discard(rid)
-            if self._save:  # the final tokens and block ids matter only to the last save
-                tpb, base = self._tpb, st.base
-                have = base + len(st.tokens)
-                # Tokens that complete no further block cannot change the save.  TensorRT-LLM's count
-                # says so without converting the whole token list (128k ints for a long prompt).
-                count = _num_tokens(request)
-                if count is None or count // tpb > have // tpb:
-                    tail = _tail_tokens(request, st.tokens, have, count)
-                    if tail is not None:
-                        st.tokens = st.tokens + tail
-                    else:
-                        tokens = request.get_tokens(0)
-                        if not isinstance(tokens, list):
-                            tokens = list(tokens)
-                        if len(tokens) // tpb > have // tpb and tokens[base:have] == st.tokens:
-                            st.tokens = tokens[base:]
-                if len(cache_block_ids) > len(st.block_ids):
-                    st.block_ids = list(cache_block_ids)
-                if not self._fold_decode and prefilled and st.reported:
-                    # Its decode reports were not folded: every token but the last sampled one has
-                    # been through a forward, whose event the final save waits for.
-                    total = count if count is not None else st.base + len(st.tokens)
-                    if total - 1 > st.kv_end:
-                        st.kv_end = total - 1
-                final = self._due_save(st)
-                if final is not None:
-                    if self._sole_worker:
-                        self._connect().deliver_saves([final])
-                    else:
-                        self._out_saves.append(final)
-            return st.dispatched
+        if getattr(request, "is_dummy_request", False):
+            return False
+        rid = _request_id(request)
+        st = self._reqs.pop(rid, None)
+        if st is None:
+            return False
+        prefilled = rid not in self._prefilling
+        self._prefilling.discard(rid)
+        if self._save:  # the final tokens and block ids matter only to the last save
+            tpb, base = self._tpb, st.base
+            have = base + len(st.tokens)
+            # Tokens that complete no further block cannot change the save.  TensorRT-LLM's count
+            # says so without converting the whole token list (128k ints for a long prompt).
+            count = _num_tokens(request)
+            if count is None or count // tpb > have // tpb:
+                tail = _tail_tokens(request, st.tokens, have, count)
+                if tail is not None:
+                    st.tokens = st.tokens + tail
+                else:
+                    tokens = request.get_tokens(0)
+                    if not isinstance(tokens, list):
+                        tokens = list(tokens)
+                    if len(tokens) // tpb > have // tpb and tokens[base:have] == st.tokens:
+                        st.tokens = tokens[base:]
+            if len(cache_block_ids) > len(st.block_ids):
+                st.block_ids = list(cache_block_ids)
+            if not self._fold_decode and prefilled and st.reported:
+                # Its decode reports were not folded: every token but the last sampled one has
+                # been through a forward, whose event the final save waits for.
+                total = count if count is not None else st.base + len(st.tokens)
+                if total - 1 > st.kv_end:
+                    st.kv_end = total - 1
+            final = self._due_save(st)
+            if final is not None:
+                if self._sole_worker:
+                    self._connect().deliver_saves([final])
+                else:
+                    self._out_saves.append(final)
+        return st.dispatched
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: List[List[int]]) -> bool:
         if len(cache_block_ids_by_layer_group) != 1:

@@ -16,7 +16,7 @@ from .llm_config import read_llm_args
 from .local_peer import PeerInfo, register, unregister
 from .metrics import StatsPublisher
 from .metadata import GdsKvMetadata
-from .nvtx_ranges import nvtx_range
+from .nvtx_ranges import nvtx_range, traced
 from .arena import slab_kind, start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
@@ -26,12 +26,9 @@ from .transfers import TransferManager
 from .trtllm_api import KvCacheConnectorWorker, mpi_rank
 
 log = logging.getLogger(__name__)
-# Built once, as in the scheduler: constructing a range per callback cost the executor thread
-# 4-5 us of each steady wait_for_save on the CI VM (profiling/executor_split.py).
-_RANGE_START_LOAD = nvtx_range("worker/start_load_kv", "yellow")
+# Built once: constructing a range per callback cost the executor thread 4-5 us of each steady
+# wait_for_save on the CI VM (profiling/executor_split.py).
 _RANGE_WAIT_SYNC_LOAD = nvtx_range("worker/wait_sync_load", "red")
-_RANGE_WAIT_FOR_SAVE = nvtx_range("worker/wait_for_save", "yellow")
-_RANGE_GET_FINISHED = nvtx_range("worker/get_finished", "yellow")
 
 
 class GdsKvConnectorWorker(KvCacheConnectorWorker):
@@ -93,12 +90,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                  f"slot arena of {self.settings.arena_bytes} bytes, {slab_kind(arena.mapped)}")
 
     # -- per iteration ----------------------------------------------------------------------------
+    @traced("worker/start_load_kv", "yellow")
     def start_load_kv(self, stream: Any) -> None:
-        with _RANGE_START_LOAD:
-            meta = self._metadata
-            if not isinstance(meta, GdsKvMetadata) or not meta.loads:
-                return
-            self.transfers.submit_loads(meta.loads, self._record_event(stream))
+        meta = self._metadata
+        if not isinstance(meta, GdsKvMetadata) or not meta.loads:
+            return
+        self.transfers.submit_loads(meta.loads, self._record_event(stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.transfers is not None and self.transfers.has_sync_loads:
@@ -108,24 +105,24 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Saves are issued once per iteration in wait_for_save, after the last layer."""
 
+    @traced("worker/wait_for_save", "yellow")
     def wait_for_save(self, stream: Any) -> None:
-        with _RANGE_WAIT_FOR_SAVE:
-            if self.transfers is None:
-                return
-            meta = self._metadata
-            if isinstance(meta, GdsKvMetadata) and meta.saves:
-                event = self._record_event(stream)
-                self.transfers.note_forward(stream, event)
-                self.transfers.submit_saves(meta.saves, event)
-            else:  # no event unless saves of finished requests arrive (transfers.poll records one then)
-                self.transfers.note_forward(stream)
+        if self.transfers is None:
+            return
+        meta = self._metadata
+        if isinstance(meta, GdsKvMetadata) and meta.saves:
+            event = self._record_event(stream)
+            self.transfers.note_forward(stream, event)
+            self.transfers.submit_saves(meta.saves, event)
+        else:  # no event unless saves of finished requests arrive (transfers.poll records one then)
+            self.transfers.note_forward(stream)
 
+    @traced("worker/get_finished", "yellow")
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
-        with _RANGE_GET_FINISHED:
-            if self.transfers is None:
-                return [], []
-            return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+        if self.transfers is None:
+            return [], []
+        return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> dict[str, int]:
