@@ -284,14 +284,18 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
     # -- per iteration ----------------------------------------------------------------------------
     @traced("sched/build_meta", "green")
-    def build_connector_meta(self, scheduler_output: Any) -> object:
+    def build_connector_meta(self, scheduler_output: Any) -> GdsKvMetadata | None:
+        """This iteration's loads and saves for the workers; None where there are none (most decode
+        iterations), so no object is built, broadcast under TP, bound and freed for nothing."""
         saves = self._out_saves
         self._fold_reports(scheduler_output.new_requests, True, saves)
         self._fold_reports(scheduler_output.cached_requests, False, saves)
-        meta = GdsKvMetadata(self._out_loads, saves)
-        self._out_loads, self._out_saves = [], []
         self._flush_match_counts()
-        return meta
+        loads = self._out_loads
+        if not loads and not saves:
+            return None
+        self._out_loads, self._out_saves = [], []
+        return GdsKvMetadata(loads, saves)
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,

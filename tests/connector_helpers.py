@@ -6,6 +6,7 @@ import random
 from types import SimpleNamespace
 
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.metadata import GdsKvMetadata
 from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
 
 SHAPE = ModelShape(num_layers=2, kv_factor=2, block_elems=1024, tokens_per_block=16)
@@ -15,6 +16,12 @@ def make_executor(cfg: ExecutorConfig | None = None, **kw) -> ReferenceExecutor:
     cfg = cfg or ExecutorConfig(shape=SHAPE, num_blocks=256, **kw)
     llm_args = fake_llm_args(cfg.shape.tokens_per_block)
     return ReferenceExecutor(GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args), cfg)
+
+
+def plan(sched: GdsKvConnectorScheduler, scheduler_output) -> GdsKvMetadata:
+    """``build_connector_meta``'s result, an empty plan where it returned None (nothing to do)."""
+    meta = sched.build_connector_meta(scheduler_output)
+    return GdsKvMetadata() if meta is None else meta
 
 
 def rand_tokens(n: int, seed: int) -> list[int]:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector_helpers import CountedRequest
+from connector_helpers import CountedRequest, plan
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.keys import base_fingerprint, block_keys
@@ -43,7 +43,7 @@ def _report(sched, rid, tokens, block_ids, computed, scheduled, first):
     rd = RequestData(request_id=rid, new_tokens=tokens, new_block_ids=block_ids, computed_position=computed,
                      num_scheduled_tokens=scheduled)
     (out.new_requests if first else out.cached_requests).append(rd)
-    return sched.build_connector_meta(out)
+    return plan(sched, out)
 
 
 def test_saves_carry_chain_keys_and_only_completed_blocks(pool_env):
@@ -191,7 +191,7 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
         matched, _ = sched.get_num_new_matched_tokens(req, 0)
         assert matched == 3 * TPB
         sched.update_state_after_alloc(req, [5, -1, 6, 7])
-        meta = sched.build_connector_meta(SchedulerOutput())
+        meta = plan(sched, SchedulerOutput())
         assert [(op.keys, op.block_ids) for op in meta.loads] == [((keys[0], keys[2]), (5, 6))]
     finally:
         worker.shutdown()
@@ -210,13 +210,13 @@ def test_block_ids_reported_per_layer_group_or_by_an_older_report_type(pool_env)
         sched.get_num_new_matched_tokens(SimRequest(3, prompt, tokens=list(prompt)), 0)
         v2 = RequestData(request_id=3, new_tokens=prompt, new_block_ids=[], computed_position=0,
                          num_scheduled_tokens=len(prompt), new_block_ids_by_layer_group=[[4, 5, 6]])
-        meta = sched.build_connector_meta(SchedulerOutput(new_requests=[v2]))
+        meta = plan(sched, SchedulerOutput(new_requests=[v2]))
         assert [(s.keys, s.block_ids) for s in meta.saves] == [(tuple(keys[:2]), (4, 5))]
         old = SimpleNamespace(request_id=3, new_tokens=[1, 2], new_block_ids=[], computed_position=11,
                               num_scheduled_tokens=1)  # no new_block_ids_by_layer_group attribute
         idle = RequestData(request_id=99, new_tokens=[], new_block_ids=[], computed_position=0,
                            num_scheduled_tokens=0)  # first in the list: the list's type has the field
-        meta = sched.build_connector_meta(SchedulerOutput(cached_requests=[idle, old]))
+        meta = plan(sched, SchedulerOutput(cached_requests=[idle, old]))
         assert [(s.keys, s.block_ids) for s in meta.saves] == [((keys[2],), (6,))]
     finally:
         worker.shutdown()

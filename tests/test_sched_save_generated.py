@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector_helpers import CountedRequest
+from connector_helpers import CountedRequest, plan
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.keys import base_fingerprint, block_keys
 from gds_kv_connector.pool_format import ZERO_KEY
@@ -54,7 +54,7 @@ class _Req(SimpleNamespace):
 
 
 def _meta(sched, new=(), cached=()):
-    return sched.build_connector_meta(SchedulerOutput(new_requests=list(new), cached_requests=list(cached)))
+    return plan(sched, SchedulerOutput(new_requests=list(new), cached_requests=list(cached)))
 
 
 def _triples(ops):
