@@ -57,7 +57,8 @@ from gds_kv_connector.settings import parse_size  # noqa: E402
 from bench_ceilings import best_pinned, pinned_copy_ceiling, raw_beside, raw_phases, raw_storage_ceiling  # noqa: E402
 from bench_connector import ConnectorRig, median_run, connector_phase  # noqa: E402
 from bench_baselines import baseline_naive_kvikio, baseline_trtllm  # noqa: E402
-from bench_executor import executor_cost, match_time, median_executor_run, python_reference_us  # noqa: E402
+from bench_executor import (executor_cost, match_time, median_executor_run, null_connector_us,  # noqa: E402
+                            python_reference_us)
 from bench_overlap import overlap  # noqa: E402
 from bench_report import pool_modes, compute_ratios, evaluate_goals, plot, render_table  # noqa: E402
 
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                     ex = res["executor"]
                     if "error" not in ex:
                         ex["python_reference_us"] = python_reference_us(ex["requests_per_batch"])
+                        ex["null_connector_us_per_iteration"] = guarded("null connector", lambda: null_connector_us(
+                            device, ex["requests_per_batch"], ex["num_layers"], args.exec_new_tokens))
                 budget.phases_left -= 1
                 step_done()
                 progress("128k match")

@@ -59,21 +59,68 @@ def cpu_connector(model: str, tokens_per_block: int, kv_blocks: int):
             worker.shutdown()
 
 
-def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,
-                  layers: int = 32, arena_bytes: int = 0, new_tokens: int = 16) -> dict:
-    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
-    from gds_kv_connector.reference import (ExecutorConfig, ModelShape, ReferenceExecutor, RunStats, SimRequest,
-                                            fake_llm_args)
+def _workload(device: torch.device, requests: int, layers: int, new_tokens: int) -> tuple[Any, list[list[int]]]:
+    """The executor phase's configuration and prompts: ``requests`` prompts of 4 blocks and 5 tokens."""
+    from gds_kv_connector.reference import ExecutorConfig, ModelShape
 
-    kvd.restore()
-    prompt_blocks = 4
     shape = ModelShape(num_layers=layers, kv_factor=2, block_elems=512, tokens_per_block=TOKENS_PER_BLOCK)
-    prompt_tokens = prompt_blocks * TOKENS_PER_BLOCK + 5
+    prompt_tokens = 4 * TOKENS_PER_BLOCK + 5
     blocks_per_request = -(-(prompt_tokens + new_tokens) // TOKENS_PER_BLOCK) + 1
     cfg = ExecutorConfig(shape=shape, num_blocks=requests * blocks_per_request + 32, max_batch=requests,
                          device=str(device))
     rng = random.Random(1234)
-    prompts = [[rng.randrange(32000) for _ in range(prompt_tokens)] for _ in range(requests)]
+    return cfg, [[rng.randrange(32000) for _ in range(prompt_tokens)] for _ in range(requests)]
+
+
+class _NullScheduler:
+    """A connector scheduler that matches nothing and plans nothing."""
+
+    def wait_for_initialization(self) -> None: ...
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None: ...
+    def build_connector_meta(self, scheduler_output: Any) -> None: ...
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        return False
+
+
+class _NullWorker:
+    """A connector worker that moves nothing."""
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None: ...
+    def bind_connector_meta(self, metadata: object) -> None: ...
+    def start_load_kv(self, stream: Any) -> None: ...
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None: ...
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None: ...
+    def wait_for_save(self, stream: Any) -> None: ...
+    def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list, list]:
+        return [], []
+
+
+def null_connector_us(device: torch.device, requests: int = 64, layers: int = 32, new_tokens: int = 16) -> float:
+    """Callback microseconds per iteration of a connector that does nothing, in the same executor and
+    workload as :func:`executor_cost` (both rounds): the share of the executor figure that is the
+    callbacks' calls and their timing, not the connector's work."""
+    from gds_kv_connector.reference import ReferenceExecutor, RunStats, SimRequest
+
+    cfg, prompts = _workload(device, requests, layers, new_tokens)
+    ex = ReferenceExecutor(_NullScheduler(), _NullWorker(), cfg)
+    ex.stats = RunStats()
+    for r in range(2):
+        for i, p in enumerate(prompts):
+            ex.submit(SimRequest(r * 10_000 + i, p, max_new_tokens=new_tokens))
+        ex.run_until_done()
+    return round(1e6 * ex.stats.callback_s / ex.stats.iterations, 3)
+
+
+def executor_cost(root: str, device: torch.device, kvd: KvikioDefaults, tracer: Tracer, requests: int = 64,
+                  layers: int = 32, arena_bytes: int = 0, new_tokens: int = 16) -> dict:
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import ReferenceExecutor, RunStats, SimRequest, fake_llm_args
+
+    kvd.restore()
+    cfg, prompts = _workload(device, requests, layers, new_tokens)
+    shape = cfg.shape
     out: dict[str, Any] = {"requests_per_batch": requests, "num_layers": layers, "block_bytes": shape.block_bytes,
                            "prompt_tokens": len(prompts[0]), "max_new_tokens": new_tokens, "rounds": [],
                            "arena_bytes": arena_bytes}

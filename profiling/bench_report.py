@@ -110,7 +110,7 @@ def evaluate_goals(res: dict) -> list[dict]:
         add("executor callbacks per iteration", f"<= {GOALS['exec_callback_us_per_iter']:g} us avg",
             f"{cb:.1f} us ({of_runs}{per_round})", cb <= GOALS["exec_callback_us_per_iter"],
             f"{ex['requests_per_batch']} requests of {ex['prompt_tokens']} prompt tokens, {ex['max_new_tokens']} new "
-            f"tokens each: admission is spread over that many iterations{_python_reference(ex)}")
+            f"tokens each: admission is spread over that many iterations{_null_connector(ex)}{_python_reference(ex)}")
         add("executor per layer hook", f"<= {GOALS['exec_layer_hook_us']:g} us",
             f"{own:.2f} us ({hook:.2f} us with the {1e3 * ex.get('sync_load_wait_s', 0):.1f} ms that layer 0's hooks "
             f"waited for synchronous loads' bytes)", own <= GOALS["exec_layer_hook_us"],
@@ -138,6 +138,12 @@ def evaluate_goals(res: dict) -> list[dict]:
     else:
         add("compute slowdown with transfers", "<= 5%", ov.get("skipped", "not measured"), None)
     return goals
+
+
+def _null_connector(ex: dict) -> str:
+    null = ex.get("null_connector_us_per_iteration")
+    return "" if null is None else (f"; a connector that does nothing costs {null:.1f} us/iter in the same executor "
+                                    "(the calls themselves)")
 
 
 def _python_reference(ex: dict) -> str:
@@ -246,6 +252,9 @@ def render_table(res: dict) -> str:
                 L.append(f"  run {k + 1}: {d['callback_us_per_iteration']:.1f} us/iteration, admission iterations "
                          f"{firsts} ms, cyclic GC {d['gc_ms']:.1f} ms ({sum(d['gc_collections'])} collections, "
                          f"{d['gc_collections'][2]} full)")
+        if ex.get("null_connector_us_per_iteration") is not None:
+            L.append(f"Baseline: a connector that does nothing, same executor and workload: "
+                     f"{ex['null_connector_us_per_iteration']:.1f} us/iteration of callbacks")
         if ex.get("python_reference_us") is not None:
             L.append(f"Host Python reference: reading {ex['requests_per_batch']} decode reports' fields takes "
                      f"{ex['python_reference_us']:.2f} us (min of 300), for comparing the executor figure between hosts")

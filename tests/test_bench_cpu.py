@@ -151,6 +151,10 @@ def test_bench_writes_executor_cost_and_match_time(bench_result):
     ref = ex["python_reference_us"]  # the host's Python speed, beside the figure it bounds
     assert 0 < ref < ex["callback_us_per_iteration"] and f"in {ref:.2f} us (host Python reference)" in goal["note"]
     assert f"decode reports' fields takes {ref:.2f} us (min of 300)" in stdout
+    null = ex["null_connector_us_per_iteration"]  # the calls alone, same executor and workload
+    assert 0 < null < ex["callback_us_per_iteration"]
+    assert f"a connector that does nothing costs {null:.1f} us/iter" in goal["note"]
+    assert f"does nothing, same executor and workload: {null:.1f} us/iteration" in stdout
     m = res["match"]
     assert m["blocks"] == 4096 and m["prompt_tokens"] > 128 * 1024
     assert m["warm_median_ms"] > 0 and m["first_call_ms"] > 0
