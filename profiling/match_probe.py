@@ -34,6 +34,8 @@ except ImportError:
 from bench_common import MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK  # noqa: E402
 from bench_executor import connector_env, save_chain  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
+from gds_kv_connector.keys import base_fingerprint, block_keys  # noqa: E402
+from gds_kv_connector.local_peer import lookup  # noqa: E402
 from gds_kv_connector.reference import SimRequest, fake_llm_args  # noqa: E402
 
 
@@ -54,11 +56,9 @@ def main() -> None:
             try:
                 worker.register_kv_caches(torch.zeros((8, 1, 2, MATCH_BLOCK_ELEMS), dtype=torch.bfloat16))
                 sched.wait_for_initialization()
-                first = SimRequest(1, prompt, tokens=list(prompt))
-                sched.get_num_new_matched_tokens(first, 0)  # keys the prompt; nothing is saved yet
-                keys = sched._reqs[1].keys_upto(MATCH_BLOCKS, TOKENS_PER_BLOCK)
+                keys = block_keys(base_fingerprint(lookup(llm_args).geometry), None, prompt,
+                                  TOKENS_PER_BLOCK)[:MATCH_BLOCKS]
                 save_chain(worker, keys, torch.zeros((MATCH_BLOCKS, worker.pool.payload_len), dtype=torch.uint8))
-                sched.request_reset(first)
                 times: dict[str, list[float]] = {"indexed": [], "unindexed": []}
                 rid = 100
                 for _ in range(a.calls):

@@ -233,6 +233,11 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
      '"publish_refs"'),
     ("callback_totals.py", ["--runs", "1"], "warm:get_num_new_matched_tokens"),
     ("long_request.py", ["--blocks", "64", "--requests", "2"], "build_connector_meta, first report"),
+    ("match_probe.py", ["--calls", "2"], "unindexed median"),
+    ("slot_header_probe.py", ["--blocks", "64"], '"check_records_warm_us"'),
+    ("cold_callbacks.py", ["--calls", "2"], "written before each"),
+    ("count_present_probe.py", ["--blocks", "64", "--reps", "2"], "unindexed files"),
+    ("chain_present_probe.py", ["--calls", "2"], "chain_present median"),
 ])
 def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     """The smaller profiling tools the results README cites still run (no GPU needed for these)."""
