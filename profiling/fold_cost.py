@@ -2,7 +2,7 @@
 folds: how much of the executor phase's figures is the callbacks' instructions and how much the memory
 they touch.
 
-    python profiling/fold_cost.py [--reps 300] [--touch-mib 0,4,32,128]
+    python profiling/fold_cost.py [--reps 300] [--touch-mib 0,4,32,128] [--eager]
 
 Times, in executor-thread CPU (``time.thread_time_ns``), with a host-memory pool in a temporary
 directory under /dev/shm (or the system temp directory): ``build_connector_meta`` folding 64 decode
@@ -15,7 +15,9 @@ repeats the fold with that much other memory written between folds, as a forward
 rest of TensorRT-LLM's iteration) does: if the fold slows as the cache is evicted, its cost is the
 memory it reads (each request's report, state and token list), which fewer instructions would not
 remove.  Beside each fold series, alternated with it, the time to read the same reports' fields and
-nothing else: the floor under any fold, however its state is kept.
+nothing else: the floor under any fold, however its state is kept.  With the default way of saving
+generated blocks (``TLLM_GDS_KV_SAVE_GENERATED=auto``: at the request's finish, one worker) decode reports
+are not folded, so the fold series times that early return; ``--eager`` folds them as ``eager`` does.
 """
 
 from __future__ import annotations
@@ -65,12 +67,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300, help="folds timed (admissions: a tenth of it)")
     ap.add_argument("--touch-mib", default="0", help="comma-separated MiB of other memory written between folds; "
                     "one fold series per value")
+    ap.add_argument("--eager", action="store_true", help="fold every decode report, as SAVE_GENERATED=eager does")
     a = ap.parse_args()
     touch = [int(x) for x in a.touch_mib.split(",")]
     if any(t < 0 for t in touch):
         raise SystemExit("fold_cost.py: --touch-mib values must be 0 or more")
     rng = random.Random(1)
     with cpu_connector("fold-cost", TPB, 1024) as (sched, _):
+        if a.eager:
+            sched._fold_decode = True  # what TLLM_GDS_KV_SAVE_GENERATED=eager sets (the rig clears the variable)
+        print(f"decode reports {'folded (eager)' if sched._fold_decode else 'not folded (saved at finish)'}")
         cold = [_admit(sched, _prompts(rng)) for _ in range(max(a.reps // 10, 3))]
         warm_reqs = _prompts(rng)
         for r in warm_reqs:  # every block marked present in the pool's index: the match's indexed path
