@@ -21,28 +21,24 @@ import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
+
+from tree_checkout import add_tree_argument, use_tree
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    help="checkout whose package and profiling/ are imported")
+    add_tree_argument(ap, "package and profiling/")
     ap.add_argument("--runs", type=int, default=5, help="executor phases run (each a cold and a warm round)")
     ap.add_argument("--device", default="cpu", help="where the KV pool lives: cpu or cuda")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens each request generates (the bench's 16)")
     a = ap.parse_args()
     if a.runs < 1 or a.new_tokens < 1:
         raise SystemExit("callback_totals.py: --runs and --new-tokens must be 1 or more")
-    tree = os.path.abspath(a.tree)
-    sys.path[:0] = [os.path.join(tree, "profiling"), tree]
+    tree = use_tree(a.tree, "callback_totals.py", its_profiling=True)
     import torch
     import bench_executor
-    import gds_kv_connector
     from bench_common import KvikioDefaults, Tracer
-    if not os.path.realpath(gds_kv_connector.__file__).startswith(os.path.realpath(tree)):
-        raise SystemExit(f"callback_totals.py: imported {gds_kv_connector.__file__}, not the package of {tree}")
     gc.set_threshold(20000, 10, 10)  # TensorRT-LLM's executor runs with 20000, as the bench does
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     totals: dict[str, list[float]] = collections.defaultdict(list)

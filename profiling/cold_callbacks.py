@@ -13,24 +13,22 @@ checkout).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
+
+from tree_checkout import add_tree_argument, use_tree
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    help="checkout whose package is imported")
+    add_tree_argument(ap)
     ap.add_argument("--calls", type=int, default=200, help="calls timed per callback and size")
     ap.add_argument("--mib", default="0,32", help="MiB written before each call, comma-separated")
     a = ap.parse_args()
     sizes = [int(x) for x in a.mib.split(",") if x.strip()]
     if a.calls < 1 or not sizes or min(sizes) < 0:
         raise SystemExit("cold_callbacks.py: --calls must be 1 or more and --mib sizes 0 or more")
-    tree = os.path.abspath(a.tree)
-    sys.path[:0] = [tree, os.path.dirname(os.path.abspath(__file__))]
+    tree = use_tree(a.tree, "cold_callbacks.py")
     from bench_executor import cpu_connector
     from gds_kv_connector.trtllm_api import SchedulerOutput
 

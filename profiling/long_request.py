@@ -20,20 +20,19 @@ from __future__ import annotations
 import argparse
 import array
 import collections
-import os
 import random
 import statistics
-import sys
 import time
 from typing import Any, Callable
+
+from tree_checkout import add_tree_argument, use_tree
 
 TPB = 32
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    help="checkout whose package is imported")
+    add_tree_argument(ap)
     ap.add_argument("--blocks", type=int, default=4096, help="full blocks of 32 tokens in each prompt")
     ap.add_argument("--requests", type=int, default=7, help="prompts timed, each new")
     ap.add_argument("--convert", action="store_true", help="get_tokens converts every token, as TensorRT-LLM's "
@@ -43,16 +42,12 @@ def main() -> None:
     a = ap.parse_args()
     if a.blocks < 1 or a.requests < 1 or a.generated < 1:
         raise SystemExit("long_request.py: --blocks, --requests and --generated must be 1 or more")
-    tree = os.path.abspath(a.tree)
     # the package from the tree; the rig (bench_executor.cpu_connector) from this checkout, so an older
     # tree can be timed by the same code
-    sys.path[:0] = [tree, os.path.dirname(os.path.abspath(__file__))]
-    import gds_kv_connector
+    tree = use_tree(a.tree, "long_request.py")
     from bench_executor import cpu_connector
     from gds_kv_connector.reference import SimRequest
     from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
-    if not os.path.realpath(gds_kv_connector.__file__).startswith(os.path.realpath(tree)):
-        raise SystemExit(f"long_request.py: imported {gds_kv_connector.__file__}, not the package of {tree}")
 
     class Converting(SimRequest):
         """Tokens kept as C ints; each read makes Python ints of them, as a bound C++ vector does."""
