@@ -15,11 +15,11 @@ from .keys import base_fingerprint, chain_from_tokens, chain_seed
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
-from .nvtx_ranges import traced
 from .pool import BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
 from .settings import Settings
+from .trace_ranges import check_mode, traced
 from .trtllm_api import KvCacheConnectorScheduler
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self.settings = Settings.load_from()
+        check_mode(self.settings.trace)
         self.config: EngineConfig = read_llm_args(llm_args, self.settings.model_id)
         # read on every callback: plain attributes, not settings lookups
         self._tpb = self.config.tokens_per_block

@@ -148,6 +148,11 @@ SPECS: tuple[SettingSpec, ...] = (
                 _non_negative),
     SettingSpec("stats_interval_s", 10.0, float, "How often each owner refreshes its stats file in the "
                 "pool; 0 disables.", _non_negative),
+    SettingSpec("trace", "nvtx", str, "Where the connector's timeline ranges (gdskv/...) go: nvtx (Nsight "
+                "Systems; entered only while an NVTX tool is attached, free otherwise) or torch "
+                "(torch.profiler record_function, so a Chrome/Perfetto trace taken without Nsight shows "
+                "them; about a microsecond per range even when nothing records, so for profiling runs). "
+                "Read when the package is imported.", _one_of("nvtx", "torch")),
 )
 
 _BY_NAME = {s.name: s for s in SPECS}
@@ -181,6 +186,7 @@ class Settings:
     arena_slab_bytes: int
     arena_reuse_delay_s: float
     stats_interval_s: float
+    trace: str
 
     @property
     def roots(self) -> tuple[str, ...]:
@@ -261,6 +267,23 @@ def _read_config_file(path: str) -> dict[str, Any]:
     if unknown:
         raise SettingsError(f"{CONFIG_ENV}={path!r}: unknown setting(s) {', '.join(unknown)}")
     return parsed
+
+
+def import_time_value(name: str) -> Any:
+    """A setting needed when a module is imported, before any :class:`Settings` exists (whether the
+    callbacks carry trace ranges is settled by decorating them): environment, then config file, then
+    the default.  A malformed value gives the default here and fails at start-up, in
+    :meth:`Settings.load_from`, like any other."""
+    spec = _BY_NAME[name]
+    try:
+        if spec.env in os.environ:
+            return _convert(spec, os.environ[spec.env], spec.env)
+        file_values = _read_config_file(os.environ.get(CONFIG_ENV, ""))
+        if name in file_values:
+            return _convert(spec, file_values[name], f"{os.environ.get(CONFIG_ENV)}:{name}")
+    except SettingsError:
+        pass
+    return spec.default
 
 
 def settings_table() -> list[tuple[str, str, str]]:

@@ -22,7 +22,7 @@ from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_bl
 from .engines.base import IoEngine
 from .kv_layout import KvPool
 from .metadata import LoadOp, SaveOp
-from .nvtx_ranges import nvtx_range
+from .trace_ranges import trace_range
 from .pool import BlockPool
 from .settings import Settings
 from .stats import Stats
@@ -149,7 +149,7 @@ class TransferManager:
 
     # -- transfer threads -------------------------------------------------------------------------
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
-        with nvtx_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
+        with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
             _wait_event(event)
             try:
                 pins = pin_blocks(self.pool, list(op.keys))
@@ -165,7 +165,7 @@ class TransferManager:
                 raise
 
     def _run_save(self, op: SaveOp | _Merged, event: Any, deadline: float) -> SaveOutcome:
-        with nvtx_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
+        with trace_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
             _wait_event(event)
             views = self.kv.block_views(op.block_ids)
             out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)

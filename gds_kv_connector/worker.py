@@ -16,19 +16,16 @@ from .llm_config import read_llm_args
 from .local_peer import PeerInfo, register, unregister
 from .metrics import StatsPublisher
 from .metadata import GdsKvMetadata
-from .nvtx_ranges import nvtx_range, traced
 from .arena import slab_kind, start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
 from .settings import Settings
 from .stats import Stats
+from .trace_ranges import check_mode, trace_range, traced
 from .transfers import TransferManager
 from .trtllm_api import KvCacheConnectorWorker, mpi_rank
 
 log = logging.getLogger(__name__)
-# Built once: constructing a range per callback cost the executor thread 4-5 us of each steady
-# wait_for_save on the CI VM (profiling/executor_split.py).
-_RANGE_WAIT_SYNC_LOAD = nvtx_range("worker/wait_sync_load", "red")
 
 
 class GdsKvConnectorWorker(KvCacheConnectorWorker):
@@ -39,6 +36,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any, *, fileops: FileOps | None = None) -> None:
         super().__init__(llm_args)
         self.settings = Settings.load_from()
+        check_mode(self.settings.trace)
         self.config = read_llm_args(llm_args, self.settings.model_id)
         self.stats = Stats()
         self._fileops = fileops
@@ -99,7 +97,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.transfers is not None and self.transfers.has_sync_loads:
-            with _RANGE_WAIT_SYNC_LOAD:
+            with trace_range("worker/wait_sync_load", "red"):
                 self.transfers.wait_sync_loads()
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from gds_kv_connector.arena import HOST_FS_TYPES  # noqa: E402
 from gds_kv_connector.mounts import fs_type  # noqa: E402
 from gds_kv_connector.pool_format import ZERO_KEY, file_size_for  # noqa: E402
+from gds_kv_connector import trace_ranges  # noqa: E402
 from gds_kv_connector.settings import parse_size  # noqa: E402
 from bench_ceilings import best_pinned, pinned_copy_ceiling, raw_beside, raw_phases, raw_storage_ceiling  # noqa: E402
 from bench_connector import ConnectorRig, median_run, connector_phase  # noqa: E402
@@ -122,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.exec_new_tokens < 1:
         parser.error(f"--exec-new-tokens must be at least 1, got {args.exec_new_tokens}")
+    if args.trace and trace_ranges.MODE != "torch":
+        # The connector's ranges are settled when the package is imported, which this process has
+        # done: start it again with them going to torch.profiler, so the trace holds them.
+        print("gds-kv bench: --trace: starting again with TLLM_GDS_KV_TRACE=torch (the connector's ranges "
+              "in the trace)", file=sys.stderr, flush=True)
+        os.environ["TLLM_GDS_KV_TRACE"] = "torch"
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     if args.device == "auto":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     elif args.device == "cuda":

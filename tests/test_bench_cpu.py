@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -404,3 +405,30 @@ def test_pinned_ceiling_is_each_directions_best_of_both_measurements():
     assert got["h2d_GBps_runs"] == [45.93, 55.10] and got["d2h_GBps_runs"] == [55.30, 55.02]
     assert best_pinned(first, None) is first and best_pinned(None, again) is again
     assert best_pinned(None, None) is None
+
+
+def test_trace_holds_the_connectors_ranges_on_the_executor_and_transfer_threads(tmp_path):
+    """--trace restarts the bench with TLLM_GDS_KV_TRACE=torch, so the Perfetto trace shows the
+    connector's callbacks (executor thread) and batches (transfer threads) beside the bench's phases."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--quick", "--device", "cpu", "--targets", "shm", "--shm-dir", str(tmp_path / "shm"),
+         "--sizes", "256KiB", "--total-mib", "8", "--raw-mib", "8", "--streams", "1", "--no-baselines",
+         "--exec-new-tokens", "2", "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png"),
+         "--trace", str(trace), "--no-progress", "--no-drop-caches"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "starting again with TLLM_GDS_KV_TRACE=torch" in proc.stderr
+    threads: dict[str, set[str]] = {}
+    with open(trace) as fh:  # ~100 MB of mostly tensor ops: scanned, not parsed
+        for name, tid in re.findall(r'"name": "((?:gdskv|bench)/[^" ]*)[^"]*",\s*"pid": \d+,\s*"tid": (\d+)',
+                                    fh.read()):
+            threads.setdefault(name, set()).add(tid)
+    for name in ("bench/executor", "gdskv/executor/iteration", "gdskv/sched/match", "gdskv/sched/build_meta",
+                 "gdskv/worker/get_finished", "gdskv/io/save", "gdskv/io/load"):
+        assert name in threads, f"{name} missing from the trace; found {sorted(threads)}"
+    executor = threads["gdskv/sched/match"]
+    assert len(executor) == 1 and threads["gdskv/worker/get_finished"] == executor
+    assert not (threads["gdskv/io/save"] | threads["gdskv/io/load"]) & executor  # on the transfer threads

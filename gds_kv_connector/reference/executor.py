@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..nvtx_ranges import nvtx_range
+from ..trace_ranges import trace_range
 from ..trtllm_api import RequestData, SchedulerOutput
 from .model import ModelShape, PrefixHashes, ReferenceModel
 
@@ -179,7 +179,7 @@ class ReferenceExecutor:
         admitted_parked = self._admit()
         batch = [r for r in self.reqs.values() if r.state in (State.CONTEXT, State.GENERATION)][:self.cfg.max_batch]
         if batch or admitted_parked:
-            with nvtx_range("executor/iteration"):
+            with trace_range("executor/iteration"):
                 self._ensure_generation_blocks(batch)
                 output = self._scheduler_output(batch)
                 meta = self._timed(self.sched.build_connector_meta, output)
@@ -278,7 +278,7 @@ class ReferenceExecutor:
                 start, end = len(r.tokens) - 1, len(r.tokens)
             r.hashes.extend_to(r.tokens, end)
             spans.append((r, start, end))
-        with nvtx_range("executor/forward"):
+        with trace_range("executor/forward"):
             for layer in range(s.num_layers):
                 self._timed(self.worker.wait_for_layer_load, layer, self._stream, layer_hook=True)
                 if layer == 0:
