@@ -114,14 +114,16 @@ def test_torch_mode_puts_the_ranges_in_a_torch_profile():
         "@trace_ranges.traced('sched/match')\n"
         "def callback(n):\n"
         "    return n + 1\n"
+        "idle = trace_ranges.trace_range('io/load r{} x{}', 'red', 1, 2) is trace_ranges._NULL\n"
         "with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:\n"
         "    assert callback(1) == 2 and callback(n=2) == 3\n"
         "    with trace_ranges.trace_range('io/save r{} x{}', 'orange', 7, 3):\n"
         "        pass\n"
-        "print(json.dumps({'decorated': decorated, 'names': [e.name for e in prof.events()]}))\n")
+        "print(json.dumps({'decorated': decorated, 'idle': idle, 'names': [e.name for e in prof.events()]}))\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["decorated"] == [True, True]
+    assert got["idle"], "no range is entered while no profiler runs"
     assert got["names"].count("gdskv/sched/match") == 2
     assert "gdskv/io/save r7 x3" in got["names"]
 
