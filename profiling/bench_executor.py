@@ -26,8 +26,9 @@ def connector_env(root: str, arena_bytes: int = 0):
     os.environ["TLLM_GDS_KV_ROOT"] = root
     if arena_bytes:
         os.environ["TLLM_GDS_KV_ARENA_BYTES"] = str(arena_bytes)
-    # the engine and thread counts are the user's to force
-    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_COMPAT_IO", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS"):
+    # the engine and thread counts are the user's to force; the trace mode is the process's (--trace)
+    for k in ("TLLM_GDS_KV_ENGINE", "TLLM_GDS_KV_COMPAT_IO", "TLLM_GDS_KV_IO_THREADS", "TLLM_GDS_KV_TRANSFER_THREADS",
+              "TLLM_GDS_KV_TRACE"):
         if k in saved:
             os.environ[k] = saved[k]
     try:
