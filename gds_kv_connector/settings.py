@@ -152,8 +152,7 @@ SPECS: tuple[SettingSpec, ...] = (
                 "Systems; entered only while an NVTX tool is attached, free otherwise) or torch "
                 "(torch.profiler record_function, so a Chrome/Perfetto trace taken without Nsight shows "
                 "them; each callback then asks whether a profiler runs, about 0.3 us, so for profiling "
-                "runs). "
-                "Read when the package is imported.", _one_of("nvtx", "torch")),
+                "runs). Read when the package is imported.", _one_of("nvtx", "torch")),
 )
 
 _BY_NAME = {s.name: s for s in SPECS}

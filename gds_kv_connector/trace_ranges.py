@@ -8,7 +8,7 @@ once, at import (nvtx hands out a dummy domain when none is attached; the callba
 then), and without a recorder :func:`traced` returns the callback itself and :func:`trace_range` a
 shared null context.  Entering a range that records nothing still cost 0.3-0.5 us per executor
 callback on the CI VM, paid by every request's match, allocation and finish.  In torch mode the
-callbacks stay wrapped and each asks whether a profiler is running (about 0.2 us), so it is a
+callbacks stay wrapped and each asks whether a profiler is running (about 0.3 us), so it is a
 setting for profiling runs.
 """
 
