@@ -22,10 +22,10 @@ from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_bl
 from .engines.base import IoEngine
 from .kv_layout import KvPool
 from .metadata import LoadOp, SaveOp
-from .trace_ranges import trace_range
 from .pool import BlockPool
 from .settings import Settings
 from .stats import Stats
+from .trace_ranges import trace_range
 
 log = logging.getLogger(__name__)
 

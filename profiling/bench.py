@@ -125,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--exec-new-tokens must be at least 1, got {args.exec_new_tokens}")
     if args.trace and trace_ranges.MODE != "torch":
         # The connector's ranges are settled when the package is imported, which this process has
-        # done: start it again with them going to torch.profiler, so the trace holds them.
+        # done: run this file again with the options parsed here and the ranges going to
+        # torch.profiler, so the trace holds them (the process's own command line may not be the
+        # bench's, when main() is called with argv).
         print("gds-kv bench: --trace: starting again with TLLM_GDS_KV_TRACE=torch (the connector's ranges "
               "in the trace)", file=sys.stderr, flush=True)
         os.environ["TLLM_GDS_KV_TRACE"] = "torch"
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__),
+                                  *(argv if argv is not None else sys.argv[1:])])
     if args.device == "auto":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     elif args.device == "cuda":
