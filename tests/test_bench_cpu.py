@@ -240,6 +240,7 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
     ("count_present_probe.py", ["--blocks", "64", "--reps", "2"], "unindexed files"),
     ("chain_present_probe.py", ["--calls", "2"], "chain_present median"),
     ("fold_cost.py", ["--reps", "3", "--eager"], "decode reports folded (eager)"),
+    ("trace_cost.py", ["--calls", "100"], "traced, profiler recording"),
 ])
 def test_profiling_tools_run_on_the_cpu(script, args, expect, pool_env):
     """The smaller profiling tools the results README cites still run (no GPU needed for these)."""
