@@ -18,7 +18,7 @@ from .metadata import GdsKvMetadata, LoadOp, SaveOp
 from .pool import BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .trace_ranges import check_mode, traced
 from .trtllm_api import KvCacheConnectorScheduler
 
@@ -120,6 +120,10 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         mode = self.settings.save_generated
         if mode == "auto":
             mode = "finish" if self._sole_worker else "eager"
+        elif mode == "finish" and not self._sole_worker:
+            raise SettingsError("TLLM_GDS_KV_SAVE_GENERATED=finish needs the scheduler's own worker to be the only "
+                                "one (TP 1, or attention DP); under plain TP a finished request's saves could reach "
+                                "the other ranks only after its pages are freed: use eager or auto")
         # Whether decode reports are folded: only to save generated blocks as they fill.  Otherwise a
         # report is folded only while its request's prompt is being computed (``_prefilling``), and a
         # finished request's generated blocks are saved from its final tokens and block ids: folding 64
@@ -134,6 +138,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._reqs: dict[int, _Request] = {}
         self._out_loads: list[LoadOp] = []
         self._out_saves: list[SaveOp] = []
+        self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
         self._min_seen = int(self.settings.admission[5:]) if self.settings.admission.startswith("seen:") else 0
@@ -256,32 +261,78 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         if len(ids) < n:
             raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {n} blocks from "
                                f"block {first} but only {len(ids)} pages were allocated")
-        if min(ids) >= 0:
+        cut = self._cancelled.pop(st.rid, ()) if self._cancelled else ()
+        self._queue_load(st, first, keys, ids, is_async, cut)
+
+    def _queue_load(self, st: _Request, first: int, keys: Sequence[bytes], ids: Sequence[int], is_async: bool,
+                    cut: Sequence[tuple[int, int]] = ()) -> None:
+        """Queue the load of blocks ``first, first + 1, ...`` (``keys``) into pages ``ids``, leaving out
+        blocks without a page (-1: BAD_PAGE_INDEX) and blocks that overlap a token range in ``cut``
+        (``cancel_load``: the runtime will not use those tokens, and their pages may be released).
+
+        The tokens counted as loaded (``kv_end``, ``sync_loaded_tokens``) are those of the blocks
+        from ``first`` up to the first cut one: the runtime computes from there on.
+        """
+        tpb = self._tpb
+        n = len(keys)
+        kept = n
+        if cut:
+            drop = {b for s, e in cut for b in range(max(first, s // tpb), min(first + n, -(-e // tpb)))}
+            if drop:
+                kept = min(drop) - first
+                keys = [k for i, k in enumerate(keys) if first + i not in drop]
+                ids = [b for i, b in enumerate(ids) if first + i not in drop]
+        if ids and min(ids) >= 0:
             op = LoadOp(st.rid, tuple(keys), tuple(ids), is_async)
         else:
             pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
             if not pairs:
+                if is_async:  # the runtime parked the request: an empty load tells the workers it is done
+                    self._out_loads.append(LoadOp(st.rid, (), (), True))
                 return
             op = LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs), is_async)
         self._out_loads.append(op)
-        tpb = self._tpb
-        st.load_range = (first, first + n)
-        st.kv_end = max(st.kv_end, (first + n) * tpb)
+        st.load_range = (first, first + n)  # every block of the offer is in the pool: none is saved again
+        if kept:
+            st.kv_end = max(st.kv_end, (first + kept) * tpb)
         if not is_async:
-            st.sync_loaded_tokens = n * tpb
+            st.sync_loaded_tokens = kept * tpb
         st.dispatched = True
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
-        """V2: the runtime will not use offered tokens [start, end); drop what has not been sent."""
-        st = self._reqs.get(_request_id(request))
-        if st is not None and st.pending_load is not None:
-            st.pending_load = None
+        """V2: the runtime will not use offered tokens ``[start, end)`` (their pages could not be
+        allocated, or the request ended before a batch).  The blocks of the offer that overlap them
+        are not loaded, the others still are; a load already handed to the workers
+        (``build_connector_meta`` ran) is left to finish, as the contract allows."""
+        rid = _request_id(request)
+        st = self._reqs.get(rid)
+        if st is None or end <= start:
+            return
+        if st.pending_load is not None:  # cut when the pages are known (update_state_after_alloc)
+            self._cancelled.setdefault(rid, []).append((start, end))
+            return
+        queued = [op for op in self._out_loads if op.request_id == rid]
+        if not queued or st.reported:
+            return
+        self._out_loads = [op for op in self._out_loads if op.request_id != rid]
+        where = {k: b for b, k in enumerate(st.keys)}
+        first, end_block = st.load_range
+        pages = [-1] * (end_block - first)
+        for op in queued:
+            for k, page in zip(op.keys, op.block_ids):
+                pages[where[k] - first] = page
+        st.kv_end = st.sync_loaded_tokens = 0  # nothing was reported yet: only the load had set them
+        self._queue_load(st, first, st.keys[first:end_block], pages, queued[0].is_async, [(start, end)])
 
     def request_reset(self, request: Any) -> None:
-        """V2: the allocation was released and the request replays from scratch."""
+        """V2: the allocation was released and the request replays from scratch; a load of it not
+        yet handed to the workers would write pages it no longer holds."""
         rid = _request_id(request)
         self._reqs.pop(rid, None)
         self._prefilling.discard(rid)
+        self._cancelled.pop(rid, None)
+        if any(op.request_id == rid for op in self._out_loads):
+            self._out_loads = [op for op in self._out_loads if op.request_id != rid]
 
     # -- per iteration ----------------------------------------------------------------------------
     @traced("sched/build_meta", "green")
@@ -326,7 +377,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         for rd in reports:
             st = reqs.get(rd.request_id)
             if st is None:
-                st = self._state(rd.request_id, getattr(rd, "cache_salt", None))
+                st = self._state(rd.request_id, _cache_salt(rd))
             if first and not st.reported:
                 if rd.new_tokens:
                     st.set_tokens(rd.new_tokens)  # a list of its own, extended in place below
@@ -420,6 +471,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         st = self._reqs.pop(rid, None)
         if st is None:
             return False
+        if self._cancelled:
+            self._cancelled.pop(rid, None)
         prefilled = rid not in self._prefilling
         self._prefilling.discard(rid)
         if self._save:  # the final tokens and block ids matter only to the last save
@@ -440,18 +493,25 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                         st.tokens = tokens[base:]
             if len(cache_block_ids) > len(st.block_ids):
                 st.block_ids = list(cache_block_ids)
-            if not self._fold_decode and prefilled and st.reported:
-                # Its decode reports were not folded: every token but the last sampled one has
-                # been through a forward, whose event the final save waits for.
-                total = count if count is not None else st.base + len(st.tokens)
-                if total - 1 > st.kv_end:
-                    st.kv_end = total - 1
+            # Every token but the last sampled one has been through a forward, whose event the
+            # final save waits for; the last one's KV never was (with speculative decoding its
+            # position may hold a rejected draft's, which a decode report counted as written).
+            total = count if count is not None else st.base + len(st.tokens)
+            if not self._fold_decode and prefilled and st.reported and total - 1 > st.kv_end:
+                st.kv_end = total - 1  # its decode reports were not folded
+            elif st.kv_end > total - 1:
+                st.kv_end = total - 1
+            dispatched = st.dispatched
             final = self._due_save(st)
             if final is not None:
                 if self._sole_worker:
                     self._connect().deliver_saves([final])
-                else:
-                    self._out_saves.append(final)
+                    return True
+                # Under plain TP the other ranks' workers would get this save only with the next
+                # metadata, after this iteration's get_finished has let TensorRT-LLM free the pages
+                # it reads: it is dropped (counted), never sent late.
+                self._connect().stats.add("save_blocks_dropped_at_finish", len(final.keys))
+                return dispatched
         return st.dispatched
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: List[List[int]]) -> bool:

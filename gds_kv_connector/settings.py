@@ -134,7 +134,8 @@ SPECS: tuple[SettingSpec, ...] = (
                 "(each as soon as it is full: published sooner, and fewer of the request's pages wait "
                 "for saves when it finishes), or auto (finish where "
                 "the scheduler hands a finished request's saves straight to its worker, TP 1 or attention "
-                "DP; eager under plain TP, where they would wait for a later iteration's metadata).",
+                "DP; eager under plain TP, where finish is refused: a finished request's saves could reach "
+                "the other ranks only after its pages are freed).",
                 _one_of("auto", "finish", "eager")),
     SettingSpec("arena_bytes", 0, parse_size, "Bytes of slab files each owner preallocates and keeps blocks "
                 "in, instead of one file per block; 0 disables. On a host-memory pool (tmpfs, e.g. "

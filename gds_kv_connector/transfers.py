@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable
@@ -94,6 +94,13 @@ class TransferManager:
     # -- submission (executor thread) -------------------------------------------------------------
     def submit_loads(self, ops: list[LoadOp], event: Any) -> None:
         self._check_open()
+        if not all(op.keys for op in ops):
+            # a parked request left with no block to load (no page for any, or cancel_load took them
+            # all): done at its first poll, not waited for until the deadline fails the process
+            for op in ops:
+                if not op.keys:
+                    self._pending_loads.setdefault(op.request_id, 0)
+            ops = [op for op in ops if op.keys]
         sync = [op for op in ops if not op.is_async]
         if sync:  # waited for together before the first layer: batched apart from async loads
             self._sync_loads.extend(self._submit_many(sync, "sync", self._run_load, event))
@@ -189,6 +196,9 @@ class TransferManager:
             rid = batch.ops[0].request_id
             try:
                 batch.future.result(timeout=max(remaining, 0.0))
+            except CancelledError:
+                raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {rid} was cancelled "
+                                       "before it ran") from None
             except TimeoutError:
                 raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {rid} "
                                        f"({batch.nbytes} bytes from {self.pool.path_for(batch.ops[0].keys[0])}) "
@@ -249,6 +259,8 @@ class TransferManager:
             cancelled = future.cancelled()
             exc = None if cancelled else future.exception()
             kind = batch.kind
+            if cancelled and kind != "save":  # its pages never got their KV
+                exc = CancelledError(f"load batch of {len(batch.ops)} request(s) cancelled before it ran")
             for op in batch.ops:
                 rid = op.request_id
                 left = pending[rid] - 1
@@ -305,15 +317,15 @@ class TransferManager:
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
                             save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
         for key, cause in out.failed:
-            self._note_save_failure(cause, batch, self.pool.path_for(key))
+            self._note_save_failure(cause, batch, self.pool.path_for(key), key)
 
-    def _note_save_failure(self, cause: str, batch: _Batch, detail: str) -> None:
+    def _note_save_failure(self, cause: str, batch: _Batch, detail: str, key: bytes | None = None) -> None:
         self.stats.add(f"save_failed_{cause}")
         if cause not in self._causes_logged:
             self._causes_logged.add(cause)
+            rid = next((op.request_id for op in batch.ops if key in op.keys), batch.ops[0].request_id)
             log.warning("gds-kv-connector: dropping saves that fail with %s (first: request %d, %s); "
-                        "serving continues, further %s failures are only counted", cause, batch.ops[0].request_id,
-                        detail, cause)
+                        "serving continues, further %s failures are only counted", cause, rid, detail, cause)
 
     def _check_deadline(self, rid: int, kind: str, since: float, now: float, first_key: bytes | None) -> None:
         if now - since <= self.settings.deadline_s:
@@ -344,7 +356,10 @@ class TransferManager:
     def shutdown(self) -> dict[str, int]:
         """Stop accepting work, drop queued batches, wait for in-flight ones up to the control grace."""
         self._closed = True
-        dropped = sum(1 for b in self._inflight if b.future.cancel())
+        dropped = sum(1 for b in self._inflight if not b.future.done() and b.future.cancel())
+        while not self._inbox.empty():  # saves of finished requests handed over after the last poll
+            dropped_saves = self._inbox.get_nowait()
+            self.stats.add("save_blocks_dropped_at_shutdown", sum(len(op.keys) for op in dropped_saves))
         end = time.monotonic() + self.settings.control_grace_s
         stuck = 0
         for batch in self._inflight:

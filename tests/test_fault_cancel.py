@@ -59,8 +59,9 @@ def test_cancel_drops_queued_and_waits_for_in_flight(rig):
     fh.record("cancel", trials=1, injected=1, detected=1)
 
 
-def test_cancel_queued_load_is_not_a_crash(rig):
-    """A load dropped from the queue: poll reports the request or a ConnectorFailure, never CancelledError."""
+def test_a_cancelled_load_is_a_failure_never_a_load(rig):
+    """A load dropped from the queue left its pages without their KV: poll says so with a
+    ConnectorFailure naming the request, never reports it loaded (and never leaks CancelledError)."""
     r = rig
     keys = [fh.key_of("cancel-load", i) for i in range(2)]
     r.preload(keys)
@@ -71,10 +72,31 @@ def test_cancel_queued_load_is_not_a_crash(rig):
     assert r.tm.cancel_queued(6) == 1
     r.ops.release()
     from gds_kv_connector.transfers import ConnectorFailure
-    try:
+    with pytest.raises(ConnectorFailure, match="load for request 6 failed.*cancelled"):
         r.poll_until(loading=[6], want_loaded=[6], timeout=3)
-    except ConnectorFailure:
-        pass  # acceptable: the promised blocks never arrived, and it is said so
+
+
+def test_a_cancelled_sync_load_fails_with_connector_failure(rig):
+    r = rig
+    keys = [fh.key_of("cancel-sync", i) for i in range(2)]
+    r.preload(keys)
+    _hold_first_payload_write(r)
+    r.tm.submit_save(r.save_op(5, [fh.key_of("blocker-sync")], first_block=0), None)
+    assert r.ops.stall_started.wait(5)
+    r.tm.submit_load(LoadOp(7, tuple(keys), (4, 5), False), None)
+    assert r.tm.cancel_queued(7) == 1
+    r.ops.release()
+    from gds_kv_connector.transfers import ConnectorFailure
+    with pytest.raises(ConnectorFailure, match="synchronous load of request 7 was cancelled"):
+        r.tm.wait_sync_loads()
+
+
+def test_a_parked_request_with_nothing_to_load_is_reported_at_its_first_poll(rig):
+    """An async offer whose blocks all lost their pages (BAD_PAGE_INDEX, or cancel_load took them)
+    arrives as an empty load: nothing to wait for, so not held until the deadline fails the process."""
+    r = rig
+    r.tm.submit_loads([LoadOp(8, (), (), True)], None)
+    assert r.tm.poll([], [8]) == ([], [8])
 
 
 def test_shutdown_with_stuck_transfer_returns_within_grace(rig):
@@ -110,3 +132,19 @@ def test_shutdown_drains_in_flight_within_grace(rig):
     from gds_kv_connector.transfers import ConnectorFailure
     with pytest.raises(ConnectorFailure, match="after shutdown"):
         r.tm.submit_save(r.save_op(21, [fh.key_of("late")]), None)
+
+
+def test_shutdown_counts_what_it_drops_once(rig):
+    """Batches cancel_queued dropped earlier are not counted again, and saves handed over by the
+    scheduler after the last poll are counted as dropped instead of vanishing."""
+    r = rig
+    _hold_first_payload_write(r)
+    r.tm.submit_save(r.save_op(30, [fh.key_of("once", 0)], first_block=0), None)
+    assert r.ops.stall_started.wait(5)
+    r.tm.submit_save(r.save_op(31, [fh.key_of("once", 1)], first_block=1), None)
+    assert r.tm.cancel_queued(31) == 1
+    r.tm.deliver_saves([r.save_op(32, [fh.key_of("once", 2), fh.key_of("once", 3)], first_block=2)])
+    r.ops.release()
+    assert r.tm.shutdown() == {"dropped": 0, "stuck": 0}
+    stats = r.stats.snapshot()
+    assert stats.get("transfers_dropped_queued") == 1 and stats.get("save_blocks_dropped_at_shutdown") == 2

@@ -13,6 +13,7 @@ from connector_helpers import CountedRequest, plan
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.keys import base_fingerprint, block_keys
+from gds_kv_connector.metadata import LoadOp
 from gds_kv_connector.pool_format import ZERO_KEY
 from gds_kv_connector.reference import SimRequest, fake_llm_args
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
@@ -134,9 +135,10 @@ def test_request_finished_saves_a_block_completed_by_unreported_tokens(pool_env)
         req = SimRequest(2, prompt, tokens=list(prompt))
         sched.get_num_new_matched_tokens(req, 0)
         assert len(_report(sched, 2, prompt, [3, 4], 0, len(prompt), first=True).saves) == 1
-        # the next step writes the KV of positions 6 and 7, whose tokens are never reported (overlap)
+        # the next step writes the KV of positions 6 and 7, whose tokens are never reported (overlap);
+        # it samples token 8, whose KV no forward wrote
         assert not _report(sched, 2, [], [], len(prompt), 2, first=False).saves
-        req.tokens = prompt + [1, 2]
+        req.tokens = prompt + [1, 2, 3]
         assert sched.request_finished(req, [3, 4, 5]) is True
         want = _keys(sched, req.tokens)
         assert [(s.keys, s.parents, s.block_ids) for s in delivered] == [((want[1],), (want[0],), (4,))]
@@ -170,8 +172,8 @@ def test_request_finished_reads_the_tokens_only_when_a_block_may_complete(pool_e
 
         sched.get_num_new_matched_tokens(SimpleNamespace(request_id=5, get_tokens=lambda b=0: list(prompt)), 0)
         _report(sched, 5, prompt, [3, 4], 0, len(prompt), first=True)
-        _report(sched, 5, [], [], len(prompt), 2, first=False)
-        req.request_id, req.tokens, req.asked = 5, prompt + [1, 2], 0
+        _report(sched, 5, [], [], len(prompt), 2, first=False)  # KV of positions 6 and 7; token 8 sampled
+        req.request_id, req.tokens, req.asked = 5, prompt + [1, 2, 3], 0
         sched.request_finished(req, [3, 4])
         want = _keys(sched, req.tokens)
         assert req.asked == 1 and [s.keys for s in delivered] == [(want[1],)]
@@ -193,6 +195,15 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
         sched.update_state_after_alloc(req, [5, -1, 6, 7])
         meta = plan(sched, SchedulerOutput())
         assert [(op.keys, op.block_ids) for op in meta.loads] == [((keys[0], keys[2]), (5, 6))]
+        # no page for any block: a synchronous offer loads nothing; a parked (async) request gets an
+        # empty load, which tells the workers it is done instead of leaving it to the deadline
+        for rid, is_async in ((4, False), (5, True)):
+            other = SimRequest(rid, prompt, tokens=list(prompt))
+            sched.get_num_new_matched_tokens(other, 0)
+            sched._reqs[rid].pending_load = (0, keys, is_async)
+            sched.update_state_after_alloc(other, [-1, -1, -1, 7])
+            meta = plan(sched, SchedulerOutput())
+            assert (meta.loads if meta else []) == ([LoadOp(rid, (), (), True)] if is_async else []), rid
     finally:
         worker.shutdown()
 

@@ -9,6 +9,7 @@ and cancelling one request never drops another's work.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -111,6 +112,21 @@ def test_a_failed_block_in_a_shared_batch_names_its_own_request(tmp_path):
         msg = str(info.value)
         assert "request 1 failed (in one batch with request 2, whose block failed)" in msg
         assert keys[3].hex() in msg and "vanished" in msg
+    finally:
+        r.close()
+
+
+def test_a_failed_save_in_a_shared_batch_is_logged_under_its_own_request(tmp_path, caplog):
+    r = Rig(str(tmp_path / "pool"), TLLM_GDS_KV_TRANSFER_THREADS="1")
+    try:
+        k1, k2 = fh.key_of("attr", 1), fh.key_of("attr", 2)
+        r.ops.add("open", "eio", path_contains=k2.hex())  # only request 2's block fails
+        with caplog.at_level(logging.WARNING, logger="gds_kv_connector.transfers"):
+            r.tm.submit_saves([r.save_op(1, [k1], first_block=0), r.save_op(2, [k2], first_block=1)], None)
+            assert len(r.tm._inflight) == 1  # one shared batch
+            r.poll_until(finished=[1, 2], want_saved=[1, 2])
+        assert r.pool.contains(k1) and not r.pool.contains(k2)
+        assert "first: request 2," in " ".join(rec.getMessage() for rec in caplog.records)
     finally:
         r.close()
 
