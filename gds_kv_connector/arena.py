@@ -66,6 +66,7 @@ HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 _KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
 _SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_COUNT = operator.itemgetter(3)  # of a _free run
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
 _WHERE_CACHE = 1 << 20  # remembered key locations (about 200 bytes each)
 _FILL_CHUNK = 8 << 20  # one O_DIRECT write of a new disk slab's zeros
@@ -256,16 +257,21 @@ class SlotArena:
         used, free = [], []
         for slot in range(nslots):
             ref = self._record_at(slab, slot)
-            if ref is not None and self.pool.read_ref(ref.key) == ref:
+            try:
+                live = ref is not None and self.pool.read_ref(ref.key) == ref
+            except OSError:  # cannot tell (EMFILE, EIO): kept in use, a later reclaim looks again
+                live = True
+            if live:
                 used.append((slot, ref))
             else:
                 free.append(slot)
-        now = self.clock()
+        # the dead owner may have evicted a slot just before it died, with a reader still on its way
+        ready = self.clock() + self.reuse_delay_s
         with self._lock:
             for slot, ref in used:
                 self._used[slab.sid << 32 | slot] = ref
                 self.remember(ref)
-            self._free.extend((now, name, first, count) for first, count in _runs(free))
+            self._free.extend((ready, name, first, count) for first, count in _runs(free))
             self.owned_slots += nslots
         self.stats["slabs_adopted"] += 1
         log.info("gds-kv arena: adopted slab %s of a finished owner (%d live blocks, %d free slots)",
@@ -419,38 +425,58 @@ class SlotArena:
             self._free.appendleft((self.clock(), slab, slot, 1))
 
     def _reclaim(self, need: int) -> None:
-        """Free slots whose reference is gone; if that is not enough, evict this owner's least
-        recently used blocks (a batch ahead of need, since freed slots cool for reuse_delay_s)."""
+        """Free slots whose reference is gone; if those and the slots still cooling are not enough,
+        evict this owner's least recently used blocks (up to a batch of capacity/32 cooling, ahead
+        of need, since freed slots cool for reuse_delay_s)."""
         with self._lock:
             candidates = list(itertools.islice(self._used.items(), max(4 * need, 64)))
-        freed: list[int] = []  # positions
+        # (position, entry): the entry is freed only if it is still the one there, since another
+        # transfer thread may have freed, reused and republished the position meanwhile
+        freed: list[tuple[int, SlotRef]] = []
+        judged: set[int] = set()  # freed here, or unreadable now: not evicted blind either
         for pos, mine in candidates:
-            ref = self.pool.read_ref(mine.key)
+            try:
+                ref = self.pool.read_ref(mine.key)
+            except OSError:  # EMFILE, EIO, ESTALE: the reference may still name the slot; keep it
+                self.stats["reclaim_errors"] += 1
+                judged.add(pos)
+                continue
             if ref is None or (ref.slab, ref.slot, ref.created_ns) != (mine.slab, mine.slot, mine.created_ns):
-                freed.append(pos)
+                freed.append((pos, mine))
+                judged.add(pos)
+        victims: list[tuple[int, SlotRef]] = []
         if len(freed) < need:
-            want = max(need - len(freed), self.capacity_slots // 32)
-            gone = set(freed)
             with self._lock:
-                victims = list(itertools.islice(((p, r) for p, r in self._used.items() if p not in gone), want))
-            for pos, mine in victims:
-                self.pool.unpublish_ref(mine.key, mine)
-                freed.append(pos)
-            self.stats["evicted"] += len(victims)
+                # slots freed before and still cooling count too: evicting a batch for them again on
+                # every save within reuse_delay_s would bleed the arena a batch per save
+                have = len(freed) + sum(map(_COUNT, self._free))
+                if have < need:
+                    want = max(need, self.capacity_slots // 32) - have
+                    victims = list(itertools.islice(((p, r) for p, r in self._used.items() if p not in judged), want))
+        evicted = 0
+        for pos, mine in victims:
+            try:
+                self.pool.unpublish_ref(mine.key, mine)  # False: no longer named by its key either way
+            except OSError:  # cannot tell whether the reference is gone: the slot stays in use
+                self.stats["reclaim_errors"] += 1
+                continue
+            freed.append((pos, mine))
+            evicted += 1
+        self.stats["evicted"] += evicted
         ready = self.clock() + self.reuse_delay_s
         with self._lock:
             by_slab: dict[str, list[int]] = {}
-            for pos in freed:
-                entry = self._used.pop(pos, None)
-                if entry is None:
+            for pos, mine in freed:
+                if self._used.get(pos) is not mine:
                     continue
-                where = self._where.get(entry.key)
-                if where is not None and (where.slab, where.slot) == (entry.slab, entry.slot):
-                    del self._where[entry.key]
-                by_slab.setdefault(entry.slab, []).append(entry.slot)
+                del self._used[pos]
+                where = self._where.get(mine.key)
+                if where is not None and (where.slab, where.slot) == (mine.slab, mine.slot):
+                    del self._where[mine.key]
+                by_slab.setdefault(mine.slab, []).append(mine.slot)
             for name, slots in by_slab.items():
                 self._free.extend((ready, name, first, count) for first, count in _runs(slots))
-        self.stats["reclaimed"] += len(freed)
+        self.stats["reclaimed"] += sum(map(len, by_slab.values()))
 
     # -- reading ----------------------------------------------------------------------------------
     def note_ref_file(self, ident: tuple[int, int, int], entries: dict[bytes, SlotRef]) -> None:

@@ -25,6 +25,9 @@ from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRe
 log = logging.getLogger(__name__)
 
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT}
+# Pause before the first retry of a transient read error, doubled for each further one (cut at the
+# deadline): retries at once would all land inside a storage hiccup of a few milliseconds.
+RETRY_PAUSE_S = 0.01
 _FIRST, _SECOND, _SLAB = operator.itemgetter(0), operator.itemgetter(1), operator.attrgetter("slab")
 
 
@@ -226,7 +229,7 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
             key = keys[len(pins)]
             pool.forget(key)
             raise LoadFailure(key, pool.path_for(key), "file vanished before it could be opened") from None
-        except FormatError as exc:  # pool.pin has quarantined the file already
+        except (FormatError, EOFError) as exc:  # pool.pin has quarantined the file already
             key = keys[len(pins)]
             raise LoadFailure(key, pool.path_for(key), str(exc)) from None
         except OSError as exc:
@@ -294,7 +297,8 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
 
 def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[torch.Tensor],
                  headers: dict[int, bytearray], which: list[int], retries: int, deadline: float) -> None:
-    """Read header and payload of ``pins[n]`` for n in ``which``, retrying transient errors."""
+    """Read header and payload of ``pins[n]`` for n in ``which``, retrying transient errors after
+    a growing pause (RETRY_PAUSE_S)."""
     items: dict[int, TransferItem] = {}
     for n in which:
         pin = pins[n]
@@ -327,6 +331,7 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
             raise LoadFailure(pins[n].key, pins[n].path, f"payload read failed: {err}")
         attempt += 1
         log.info("retrying %d block read(s) after %s (attempt %d of %d)", len(failed), err, attempt, retries)
+        time.sleep(max(0.0, min(RETRY_PAUSE_S * 2 ** (attempt - 1), deadline - time.monotonic())))
         pending = [n for n, _ in failed]
 
 
@@ -375,7 +380,7 @@ def _repin_stale_slot(pool: BlockPool, pin: Pin, err: Exception) -> Pin:
         raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
     try:
         return pool.pin(pin.key)
-    except (OSError, FormatError) as again:
+    except (OSError, FormatError, EOFError) as again:
         raise LoadFailure(pin.key, pin.path, f"arena slot gone and no usable reference: {again}") from None
 
 

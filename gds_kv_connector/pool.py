@@ -240,13 +240,14 @@ class BlockPool:
                 append(Pin(key, dirs[key[0]], -1, 0, ref))
 
     def pin(self, key: bytes) -> Pin:
-        """Open the block for reading; raises FileNotFoundError, FormatError or OSError.
+        """Open the block for reading; raises FileNotFoundError, FormatError, EOFError or OSError.
 
-        A file that is not a regular file of the pool's size is quarantined before FormatError
-        is raised, so no owner matches it again.  A symbolic link at the key's name is never
-        followed (O_NOFOLLOW; it could point at another key's block or outside the pool) and is
-        quarantined the same way.  O_NONBLOCK keeps a FIFO planted at the name from blocking the
-        transfer thread in open(2); it has no effect on regular files.
+        A file that is not a regular file of the pool's size, or that ends before the bytes its
+        size promised (EOFError), is quarantined before the error is raised, so no owner matches
+        it again.  A symbolic link at the key's name is never followed (O_NOFOLLOW; it could
+        point at another key's block or outside the pool) and is quarantined the same way.
+        O_NONBLOCK keeps a FIFO planted at the name from blocking the transfer thread in open(2);
+        it has no effect on regular files.
         """
         d = self.dir_for(key)
         if self.arena is not None:
@@ -290,7 +291,7 @@ class BlockPool:
                 ref = self._parse_ref_fd(fd, key, st.st_size)
             elif st.st_size != self.file_size:
                 raise FormatError(f"file is {st.st_size} bytes, expected {self.file_size}")
-        except FormatError as exc:
+        except (FormatError, EOFError) as exc:  # EOFError: a file shrunk under the reader is as bad
             self.ops.close(fd)
             self.quarantine(key, str(exc), st.st_ino)
             raise
@@ -321,17 +322,22 @@ class BlockPool:
         return ref
 
     def read_ref(self, key: bytes) -> SlotRef | None:
-        """The slot the key's reference file names now, or None (absent, a block file, unreadable)."""
+        """The slot the key's reference file names now, or None when none does (no file, a block
+        file, a symbolic link, not a valid reference).  Raises OSError when the name could not be
+        read (EMFILE, EIO, ESTALE): the reference may still be there, and an owner that took that
+        for "gone" would reuse a slot readers are still sent to."""
         try:
             fd = self.ops.open(self.path_for(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            return None
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP):  # ELOOP: a symbolic link, never followed
+                return None
+            raise
         try:
             size = self.ops.fstat(fd).st_size
             if not is_ref_size(size):
                 return None
             return self._parse_ref_fd(fd, key, size)
-        except (OSError, FormatError, EOFError):
+        except (FormatError, EOFError):
             return None
         finally:
             self.ops.close(fd)
@@ -367,8 +373,10 @@ class BlockPool:
                 if self.file_mode & 0o077:
                     self.ops.fchmod(fd, self.file_mode)
                 write_all(self.ops, fd, data, 0)
-                self.ops.close(fd)
-                fd = -1
+                # Forgotten before close: close(2) releases the descriptor even when it reports an
+                # error (a deferred NFS write error), and the number may be another thread's by then.
+                fd, closing = -1, fd
+                self.ops.close(closing)
             except (OSError, PoolError) as exc:
                 self.discard_tmp(fd, tmp)
                 out.extend(exc for _ in chunk)
@@ -501,8 +509,8 @@ class BlockPool:
         try:
             if self.fsync:
                 self.ops.fsync(fd)
-            self.ops.close(fd)
-            fd = -1
+            fd, closing = -1, fd  # released even when close reports an error: never closed twice
+            self.ops.close(closing)
             final = self.path_for(key)
             try:
                 self.ops.link(tmp, final)

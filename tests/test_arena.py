@@ -188,6 +188,96 @@ def test_full_arena_evicts_oldest_and_reuses_after_delay(shm_root, engine):
     a.arena.close()
 
 
+def test_saves_while_freed_slots_cool_evict_no_more_than_they_need(shm_root, engine):
+    """Slots evicted for one save cool for the reuse delay; later saves within it count them
+    instead of evicting another batch each (which bled a whole arena in 32 one-block saves)."""
+    now = [1000.0]
+    a = _pool(shm_root, engine, 64, delay=5.0, clock=lambda: now[0], per_slab=64)
+    old, d = _keys(64, b"old"), _data(64, 13)
+    assert save_blocks(a, engine, old, [ZERO_KEY] * 64, [d[i] for i in range(64)]).published == 64
+    new, dn = _keys(10, b"new"), _data(10, 14)
+    for i in range(8):  # one block each, all within the delay: block files
+        out = save_blocks(a, engine, new[i:i + 1], [ZERO_KEY], [dn[i]])
+        assert out.published == 1 and out.arena_fallback == 1
+    u = a.arena.usage()
+    assert (u["evicted"], u["used_slots"], u["free_slots"]) == (2, 62, 2)  # one batch: capacity/32
+    now[0] += 6
+    out = save_blocks(a, engine, new[8:], [ZERO_KEY] * 2, [dn[i] for i in range(8, 10)])
+    assert out.published == 2 and out.arena_fallback == 0
+    assert torch.equal(_load(a, engine, new[8:] + old[2:]), torch.cat([dn[8:], d[2:]]))
+    a.arena.close()
+
+
+def test_concurrent_reclaims_never_free_a_slot_reused_meanwhile(shm_root, engine, monkeypatch):
+    """Thread 2 judges a slot free and is descheduled; thread 1 frees it, reuses it for D and
+    publishes D.  Thread 2 must not then free the position: it holds D now."""
+    import threading
+
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    A, B, C, D = (_keys(1, tag)[0] for tag in (b"A", b"B", b"C", b"D"))
+    d = _data(4, 15)
+    assert save_blocks(a, engine, [A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
+    os.unlink(a.path_for(A))  # evicted by another owner: its slot is free to reclaim
+    read_ref, judged, d_published = a.read_ref, threading.Event(), threading.Event()
+
+    def paused_read_ref(key):
+        ref = read_ref(key)
+        if threading.current_thread().name == "t2" and key == A and not judged.is_set():
+            judged.set()
+            d_published.wait(10)
+        return ref
+
+    monkeypatch.setattr(a, "read_ref", paused_read_ref)
+    saved_c = []
+    t2 = threading.Thread(target=lambda: saved_c.append(save_blocks(a, engine, [C], [ZERO_KEY], [d[2]])), name="t2")
+    t2.start()
+    try:
+        assert judged.wait(10)
+        out = save_blocks(a, engine, [D], [ZERO_KEY], [d[3]])
+        assert out.published == 1 and out.arena_fallback == 0  # into A's old slot
+    finally:
+        d_published.set()
+        t2.join(10)
+    assert not t2.is_alive() and saved_c[0].published == 1 and saved_c[0].arena_fallback == 1
+    assert a.arena.usage()["used_slots"] == 2 and a.arena.usage()["free_slots"] == 0
+    assert torch.equal(_load(a, engine, [D, B]), d[[3, 1]])
+    a.arena.close()
+
+
+def test_a_reference_that_cannot_be_read_keeps_its_slot(shm_root, engine):
+    """EMFILE or EIO reading a key's reference does not mean it is gone: reclaim and adoption keep
+    the slot in use (it may still be named), and eviction frees no slot it could not unpublish."""
+    import errno
+
+    from gds_kv_connector.faults import FaultyFileOps
+
+    ops = FaultyFileOps()
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True, ops=ops)
+    pool.arena = _arena(pool, engine, 2, 2, 0.0)
+    pool.arena.start(background=False)
+    A, B, C = (_keys(1, tag)[0] for tag in (b"A", b"B", b"C"))
+    d = _data(3, 16)
+    assert save_blocks(pool, engine, [A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
+    ops.add("open", "errno", errno=errno.EMFILE, count=1, path_contains=A.hex())  # reclaim's check of A
+    ops.add("open", "eio", count=1, skip=1, path_contains=B.hex())  # B's eviction (after its check)
+    out = save_blocks(pool, engine, [C], [ZERO_KEY], [d[2]])
+    assert out.published == 1 and out.arena_fallback == 1
+    u = pool.arena.usage()
+    assert (u["used_slots"], u["free_slots"], u["reclaim_errors"], u.get("evicted", 0)) == (2, 0, 2, 0)
+    assert ops.total_injected("open") == 2
+    pool.arena.close()
+    # a restarted owner adopts the slab while A's reference cannot be read: A's slot stays in use
+    ops = FaultyFileOps()
+    b = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True, ops=ops)
+    b.arena = _arena(b, engine, 2, 2, 0.0)
+    ops.add("open", "errno", errno=errno.EMFILE, count=1, path_contains=A.hex())
+    b.arena.start(background=False)
+    assert ops.total_injected("open") == 1
+    assert b.arena.usage()["slabs_adopted"] == 1 and b.arena.usage()["used_slots"] == 2
+    assert torch.equal(_load(b, engine, [A, B]), d[:2])
+    b.arena.close()
+
+
 def test_damaged_slot_payload_is_detected(shm_root, engine):
     a = _pool(shm_root, engine, 2)
     k, d = _keys(1), _data(1, 6)
@@ -242,6 +332,30 @@ def test_adoption_takes_over_a_slab_a_load_mapped_first(shm_root, engine):
     assert b.arena.usage()["used_slots"] == 2
     assert torch.equal(_load(b, engine, keys), d)
     b.arena.close()
+
+
+def test_an_adopted_slab_s_free_slots_cool_before_reuse(shm_root, engine):
+    """A slot of a dead owner whose reference was evicted just before may still be read by a
+    reader that resolved it: the adopter waits out the reuse delay, as the owner would have."""
+    now = [1000.0]
+    a = _pool(shm_root, engine, 1, delay=5.0, clock=lambda: now[0], per_slab=1)
+    reader = _pool(shm_root, engine, 1, delay=5.0, clock=lambda: now[0], per_slab=1)
+    k, n = _keys(1, b"K"), _keys(2, b"N")
+    d, dn = _data(1, 17), _data(2, 18)
+    assert save_blocks(a, engine, k, [ZERO_KEY], [d[0]]).published == 1
+    a.arena.close()  # the owner dies
+    pins = pin_blocks(reader, k)
+    os.unlink(reader.path_for(k[0]))  # evicted just after the reader resolved it
+    b = _pool(shm_root, engine, 1, delay=5.0, clock=lambda: now[0], per_slab=1)
+    u = b.arena.usage()
+    assert (u["slabs_adopted"], u["used_slots"], u["free_slots"], u["ready_slots"]) == (1, 0, 1, 0)
+    assert save_blocks(b, engine, n[:1], [ZERO_KEY], [dn[0]]).arena_fallback == 1
+    view = torch.zeros(PAYLOAD, dtype=torch.uint8)
+    load_blocks(reader, engine, pins, [view], verify=True, retries=0, deadline=time.monotonic() + 5)
+    assert torch.equal(view, d[0])
+    now[0] += 6
+    assert save_blocks(b, engine, n[1:], [ZERO_KEY], [dn[1]]).arena_fallback == 0
+    b.arena.close(), reader.arena.close()
 
 
 def test_reference_format_is_strict():

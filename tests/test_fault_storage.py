@@ -9,12 +9,15 @@ the pool and the POSIX engine exactly as the worker wires them.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shutil
 import threading
 import time
 
 import pytest
+import torch
 
 pytest.register_assert_rewrite("fault_helpers")
 import fault_helpers as fh  # noqa: E402
@@ -22,6 +25,8 @@ from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from gds_kv_connector.faults import FaultyFileOps  # noqa: E402
 from gds_kv_connector.metadata import LoadOp, SaveOp  # noqa: E402
+from gds_kv_connector.pool import LAYOUT_DIR, QUARANTINE_DIR, BlockPool  # noqa: E402
+from gds_kv_connector.pool_format import PAGE, is_ref_size  # noqa: E402
 from gds_kv_connector.settings import Settings  # noqa: E402
 from gds_kv_connector.stats import Stats  # noqa: E402
 from gds_kv_connector.transfers import ConnectorFailure, TransferManager  # noqa: E402
@@ -136,6 +141,51 @@ def test_transient_eio_on_header_read_is_retried(rig):
     assert r.ops.total_injected() == 1
 
 
+class _EioUntil(FaultyFileOps):
+    """Every read fails with EIO until ``until`` (time.monotonic()): a storage hiccup that long."""
+
+    until = 0.0
+
+    def preadv(self, fd, buf, offset):
+        if time.monotonic() < self.until:
+            raise OSError(errno.EIO, "Input/output error (injected hiccup)")
+        return super().preadv(fd, buf, offset)
+
+
+def test_a_brief_eio_hiccup_is_outlasted_by_the_paused_retries(tmp_path):
+    """Two retries pause 10 then 20 ms: a 15 ms hiccup is over by the last one, with no load failing."""
+    pool = fh.make_pool(str(tmp_path), index_ttl_s=0.0)
+    kv = fh.make_kv(2)
+    key = fh.key_of("hiccup")
+    assert save_blocks(pool, PosixEngine(1), [key], [b""], [fh.fill(kv, 0, key)]).published == 1
+    ops = _EioUntil()
+    pins = pin_blocks(pool, [key])
+    ops.until = time.monotonic() + 0.015
+    try:
+        load_blocks(pool, PosixEngine(1, ops=ops), pins, [kv.block_view(1)], verify=True, retries=2,
+                    deadline=time.monotonic() + 30)
+    finally:
+        pool.unpin_all(pins)
+    assert kv.block_view(1).numpy().tobytes() == fh.expected_payload(key)
+
+
+def test_retry_pauses_end_at_the_deadline(rig):
+    r = rig()
+    key = fh.key_of("eio-until-deadline")
+    r.preload([key])
+    r.ops.add("preadv", "eio")
+    pins = pin_blocks(r.pool, [key])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LoadFailure):
+            load_blocks(r.pool, r.engine, pins, [r.kv.block_view(2)], verify=True, retries=20, deadline=t0 + 0.1)
+    finally:
+        r.pool.unpin_all(pins)
+    elapsed = time.monotonic() - t0
+    assert 0.1 <= elapsed < 0.3, f"failed after {elapsed:.3f}s"  # paused up to the deadline, never past it
+    assert 2 < r.ops.total_injected("preadv", "eio") < 21  # retried, with pauses between, not 20 times at once
+
+
 def test_persistent_eio_is_a_load_failure(rig):
     r = rig()
     key = fh.key_of("eio-always")
@@ -221,6 +271,23 @@ def test_short_header_read_is_not_corruption(rig):
     r.tm.submit_load(LoadOp(3, (key,), (1,), True), None)
     r.poll_until(loading=[3], want_loaded=[3])
     assert r.pool.contains(key) and r.kv.block_view(1).numpy().tobytes() == fh.expected_payload(key)
+
+
+def test_a_block_file_truncated_under_pin_is_a_load_failure_and_quarantined(tmp_path):
+    """With blocks of one page a block file is also of a reference file's size, so pin() reads its
+    magic; a file ending there (truncated under the reader) is a LoadFailure naming the key, and is
+    quarantined like any other bad file."""
+    ops = FaultyFileOps(seed=0)
+    pool = BlockPool((str(tmp_path),), fh.FINGERPRINT, PAGE, fh.TOKENS_PER_BLOCK, ops=ops, index_ttl_s=0.0)
+    assert is_ref_size(pool.file_size)
+    key = fh.key_of("truncated-under-pin")
+    assert save_blocks(pool, PosixEngine(1), [key], [b""], [torch.ones(PAGE, dtype=torch.uint8)]).published == 1
+    ops.add("preadv", "truncate", count=1)
+    with pytest.raises(LoadFailure) as info:
+        pin_blocks(pool, [key])
+    assert info.value.key == key and info.value.path == pool.path_for(key) and "ended" in info.value.reason
+    assert not pool.contains(key)
+    assert [n.split(".")[0] for n in os.listdir(os.path.join(str(tmp_path), LAYOUT_DIR, QUARANTINE_DIR))] == [key.hex()]
 
 
 def test_pool_directory_removed_under_an_in_flight_save(rig):

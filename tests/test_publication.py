@@ -2,12 +2,17 @@
 
 import multiprocessing as mp
 import os
+import re
+from pathlib import Path
 
+import pytest
 import torch
 
 from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.pool import BlockPool
+from gds_kv_connector.faults import FaultyFileOps
+from gds_kv_connector.pool import BlockPool, quarantine_name
+from gds_kv_connector.pool_format import SlotRef
 
 FP = b"\x11" * 32
 NBYTES = 64 << 10
@@ -145,3 +150,52 @@ def test_match_chain_keys_and_counts_a_prompt_as_chain_then_count_present(native
     short = CHAIN_PRESENT_MIN_BLOCKS - 1
     assert fresh().match_chain(seed, tokens, tpb, short) == (keys[:short], 300)
     assert len(fused) == 2
+
+
+class _CloseFailsAfterRelease(FaultyFileOps):
+    """close() of a temporary file releases the descriptor, then reports EIO (a deferred NFS write
+    error); before it returns, another thread opens ``other`` and is given the freed number."""
+
+    def __init__(self, other: str) -> None:
+        super().__init__(seed=0)
+        self.other, self.freed, self.other_fd = other, -1, -1
+        self.add("close", "eio", count=1, path_contains=".tmp-")
+
+    def close(self, fd: int) -> None:
+        try:
+            super().close(fd)
+        except OSError:
+            self.freed, self.other_fd = fd, os.open(self.other, os.O_RDONLY)
+            raise
+
+
+@pytest.mark.parametrize("via", ["publish", "publish_refs"])
+def test_a_close_error_at_publication_never_closes_the_number_again(tmp_path, via):
+    other = tmp_path / "other"
+    other.write_bytes(b"another thread's file")
+    ops = _CloseFailsAfterRelease(str(other))
+    pool = BlockPool((str(tmp_path / "pool"),), FP, NBYTES, 16, ops=ops)
+    key = os.urandom(32)
+    if via == "publish":
+        out = save_blocks(pool, PosixEngine(1), [key], [b"\0" * 32], [torch.zeros(NBYTES, dtype=torch.uint8)])
+        assert out.failed == [(key, "EIO")]
+    else:
+        assert isinstance(pool.publish_refs("slab-a", [SlotRef(key, "slab-a", 0, 1)])[0], OSError)
+    assert ops.other_fd == ops.freed >= 0  # the lowest free number: the one close released
+    try:
+        os.fstat(ops.other_fd)
+    except OSError as exc:
+        pytest.fail(f"the released descriptor was closed again, under another thread's file: {exc}")
+    os.close(ops.other_fd)
+    assert not pool.contains(key) and os.listdir(pool.dir_for(key)) == []  # nor a temporary file left
+
+
+def test_format_doc_names_quarantine_entries_as_the_pool_does():
+    """docs/format.md's quarantine entry name has the fields quarantine_name writes, in its order."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    fields = re.findall(r"<([a-z-]+)>", re.search(r"quarantine/(<[a-z-]+>(?:\.<[a-z-]+>)*)", doc).group(1))
+    parts = quarantine_name("ab" * 32, "checksum mismatch", now_ns=123).split(".")
+    assert len(parts) == len(fields), (fields, parts)
+    named = dict(zip(fields, parts))
+    assert named["key"] == "ab" * 32 and named["ns"] == "123" and named["reason"] == "checksum_mismatch"
+    assert re.fullmatch(r"[0-9a-f]{4}", named["rand"])

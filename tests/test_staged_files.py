@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import resource
 import shutil
@@ -371,3 +372,44 @@ def test_a_run_that_reads_past_the_end_fails_every_slot_of_the_run_only(tmp_path
     finally:
         os.close(fd)
         io.close()
+
+
+class _ShortFirstRead(FileOps):
+    """The first read stops after ``count`` bytes of a longer request (the rest of the buffer
+    scribbled over, so it must be read again); every read is noted as (O_DIRECT?, offset, length)."""
+
+    def __init__(self, count):
+        self.count = count
+        self.reads: list[tuple[bool, int, int]] = []
+
+    def preadv(self, fd, buf, offset):
+        self.reads.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), offset, len(buf)))
+        n = super().preadv(fd, buf, offset)
+        if len(self.reads) > 1 or n <= self.count:
+            return n
+        buf[self.count:n] = b"\xee" * (n - self.count)
+        return self.count
+
+
+@pytest.mark.parametrize("short", [PAGE + 1000, 2 * PAGE], ids=["inside_a_page", "whole_pages"])
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "refused"])
+def test_a_short_read_before_the_end_is_read_on(tmp_path, short, direct):
+    """A short count is not the end of the file (a plain descriptor may return one anywhere): the
+    rest is read, on O_DIRECT while the position stays page-aligned, else on the plain descriptor."""
+    reg = _Registry()
+    ops = _ShortFirstRead(short) if direct else type("_ShortNoDirect", (_ShortFirstRead, _NoDirect), {})(short)
+    io = _io(reg, ops=ops)
+    payload = 24000
+    data = torch.randint(0, 256, (1, payload), dtype=torch.uint8)
+    paths, fds = _create(str(tmp_path), 1, payload)
+    assert _write(io, [TransferItem(fds[0], HEADER, data[0])]) == [None]
+    back, got = torch.zeros_like(data), bytearray(HEADER)
+    fd = os.open(paths[0], os.O_RDONLY)
+    try:
+        assert io.read([TransferItem(fd, HEADER, back[0], got)]) == [None]
+    finally:
+        os.close(fd)
+    assert torch.equal(back, data) and got == bytes([1]) * HEADER
+    size = HEADER + align_up(payload, PAGE)
+    assert ops.reads == [(direct, 0, size), (direct and short % PAGE == 0, short, size - short)]
+    io.close()

@@ -241,7 +241,9 @@ class StagedFileIo:
     def _read_one(self, job: _Job) -> BaseException | None:
         """Reads whole pages (O_DIRECT needs them); the file may end inside the last one, after
         the payload, but a file ending before the last payload's end is short (EOFError, as
-        block_io expects)."""
+        block_io expects).  A short count is not the end: the rest is read on, through the plain
+        descriptor once the position is no longer page-aligned (O_DIRECT would refuse it), so
+        only a read of nothing ends the file early."""
         buf = job.buf
         try:
             fd = job.items[0].fd
@@ -249,13 +251,15 @@ class StagedFileIo:
             start = job.start
             need = (len(job.items) - 1) * job.pitch + job.leads[-1] + job.sizes[-1]
             try:
-                done = 0
+                done, rfd = 0, fd if dfd < 0 else dfd
                 while done < need:
-                    n = self.ops.preadv(fd if dfd < 0 else dfd, buf[done:], start + done)
-                    if n <= 0 or (done + n < need and n % PAGE):
-                        raise EOFError(f"file ended after {start + done + max(n, 0)} bytes, "
-                                       f"{need - done - max(n, 0)} short of the payload's end")
+                    n = self.ops.preadv(rfd, buf[done:], start + done)
+                    if n <= 0:
+                        raise EOFError(f"file ended after {start + done} bytes, {need - done} short of the "
+                                       "payload's end")
                     done += n
+                    if done % PAGE:
+                        rfd = fd
             finally:
                 if dfd >= 0:
                     self.ops.close(dfd)
