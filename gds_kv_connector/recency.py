@@ -9,7 +9,9 @@ nothing from the shared directory is ever unpickled.
 
 The executor thread only appends to an in-memory deque (:meth:`RecencyLog.touch`); a background
 thread writes batches.  A touch therefore protects a block from eviction only once flushed, so
-the flush interval must stay far below the eviction grace.
+the flush interval must stay far below the eviction grace, and the touch of a block just promised
+to a request (:meth:`RecencyLog.promise`) wakes the flusher at once: until it is written, another
+owner's evictor may remove the block whose load is about to start.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class RecencyLog:
             _OPEN_PATHS.update(lg.path for lg in self._logs)
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a promise is waiting to be written
         self._thread: threading.Thread | None = None
         if flush_interval_s > 0:
             self._thread = threading.Thread(target=self._run, args=(flush_interval_s,),
@@ -105,6 +108,13 @@ class RecencyLog:
                 self.dropped += len(self._pending[0][1])
             self._pending.append((now_ns or time.time_ns(), keys))
 
+    def promise(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` for blocks just promised to a request, written by the flusher now rather
+        than within its interval (a set Event: the executor thread does no I/O)."""
+        self.touch(keys)
+        if self._thread is not None and not self._wake.is_set():
+            self._wake.set()
+
     def flush(self) -> int:
         """Write pending touches; returns the number of records written."""
         with self._flush_lock:
@@ -135,6 +145,7 @@ class RecencyLog:
     def close(self) -> None:
         """Stop the flusher and write what is pending; the log stays for other owners to read."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
         self.flush()
@@ -146,7 +157,11 @@ class RecencyLog:
                 del _SHARED[k]
 
     def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() writes what is left
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - the flusher must outlive one bad flush

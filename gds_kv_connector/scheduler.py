@@ -223,7 +223,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             return 0, False
         is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
         hit = keys[first:first + n]
-        self._recency.touch(hit)  # protects the promise from eviction until pinned
+        self._recency.promise(hit)  # protects the promise from eviction until pinned
         st.pending_load = (first, hit, is_async)
         return n * tpb, is_async
 

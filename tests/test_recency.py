@@ -37,6 +37,22 @@ def test_background_thread_flushes(tmp_path):
     rl.close()
 
 
+def test_a_promise_is_written_at_once_a_touch_within_the_interval(tmp_path):
+    """Until a promised block's touch is written, another owner's evictor does not see it."""
+    rl = RecencyLog(str(tmp_path), "a", flush_interval_s=60)
+    try:
+        rl.touch([key(8)], NOW)
+        time.sleep(0.2)
+        assert load_recency(str(tmp_path)) == {}  # a plain touch waits for the interval
+        rl.promise([key(9)])
+        deadline = time.monotonic() + 5
+        while key(9) not in load_recency(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(load_recency(str(tmp_path))) == {key(8), key(9)}
+    finally:
+        rl.close()
+
+
 def test_merge_keeps_newest_time_over_owners_and_restarts(tmp_path):
     a = RecencyLog(str(tmp_path), "a", flush_interval_s=0)
     b = RecencyLog(str(tmp_path), "b", flush_interval_s=0)
