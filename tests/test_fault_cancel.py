@@ -59,36 +59,27 @@ def test_cancel_drops_queued_and_waits_for_in_flight(rig):
     fh.record("cancel", trials=1, injected=1, detected=1)
 
 
-def test_a_cancelled_load_is_a_failure_never_a_load(rig):
-    """A load dropped from the queue left its pages without their KV: poll says so with a
-    ConnectorFailure naming the request, never reports it loaded (and never leaks CancelledError)."""
+@pytest.mark.parametrize("is_async", [True, False])
+def test_a_cancelled_load_is_a_failure_never_a_load(rig, is_async):
+    """A load dropped from the queue left its pages without their KV: poll (async) or the wait
+    before the first layer (sync) says so with a ConnectorFailure naming the request, never reports
+    it loaded and never leaks CancelledError."""
     r = rig
     keys = [fh.key_of("cancel-load", i) for i in range(2)]
     r.preload(keys)
     _hold_first_payload_write(r)
     r.tm.submit_save(r.save_op(5, [fh.key_of("blocker")], first_block=0), None)
     assert r.ops.stall_started.wait(5)
-    r.tm.submit_load(LoadOp(6, tuple(keys), (4, 5), True), None)
+    r.tm.submit_load(LoadOp(6, tuple(keys), (4, 5), is_async), None)
     assert r.tm.cancel_queued(6) == 1
     r.ops.release()
     from gds_kv_connector.transfers import ConnectorFailure
-    with pytest.raises(ConnectorFailure, match="load for request 6 failed.*cancelled"):
-        r.poll_until(loading=[6], want_loaded=[6], timeout=3)
-
-
-def test_a_cancelled_sync_load_fails_with_connector_failure(rig):
-    r = rig
-    keys = [fh.key_of("cancel-sync", i) for i in range(2)]
-    r.preload(keys)
-    _hold_first_payload_write(r)
-    r.tm.submit_save(r.save_op(5, [fh.key_of("blocker-sync")], first_block=0), None)
-    assert r.ops.stall_started.wait(5)
-    r.tm.submit_load(LoadOp(7, tuple(keys), (4, 5), False), None)
-    assert r.tm.cancel_queued(7) == 1
-    r.ops.release()
-    from gds_kv_connector.transfers import ConnectorFailure
-    with pytest.raises(ConnectorFailure, match="synchronous load of request 7 was cancelled"):
-        r.tm.wait_sync_loads()
+    if is_async:
+        with pytest.raises(ConnectorFailure, match="load for request 6 failed.*cancelled"):
+            r.poll_until(loading=[6], want_loaded=[6], timeout=3)
+    else:
+        with pytest.raises(ConnectorFailure, match="synchronous load of request 6 was cancelled"):
+            r.tm.wait_sync_loads()
 
 
 def test_a_parked_request_with_nothing_to_load_is_reported_at_its_first_poll(rig):
