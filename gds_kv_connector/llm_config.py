@@ -20,13 +20,25 @@ class EngineConfig:
 
 
 def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
+    """The engine's shape as the connector needs it.  The model identity is ``llm_args.model`` and,
+    when one is set, ``@`` and ``llm_args.revision`` (two checkpoints of one model name must never
+    share KV); ``model_id_override`` (TLLM_GDS_KV_MODEL_ID) replaces all of it."""
     kv_cfg = getattr(llm_args, "kv_cache_config", None)
-    tpb = getattr(kv_cfg, "tokens_per_block", None) or getattr(llm_args, "tokens_per_block", None) or 32
+    tpb = getattr(kv_cfg, "tokens_per_block", None)
+    if tpb is None:
+        tpb = getattr(llm_args, "tokens_per_block", None)
+    if tpb is None:
+        tpb = 32
     tp = getattr(llm_args, "tensor_parallel_size", None)
     if tp is None:
         tp = getattr(getattr(llm_args, "parallel_config", None), "tp_size", 1)
     adp = bool(getattr(llm_args, "enable_attention_dp", False))
-    model = model_id_override or str(getattr(llm_args, "model", "") or "unknown-model")
+    model = model_id_override
+    if not model:
+        model = str(getattr(llm_args, "model", "") or "unknown-model")
+        revision = getattr(llm_args, "revision", None)
+        if revision:
+            model = f"{model}@{revision}"
     if int(tpb) <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tpb}")
     return EngineConfig(int(tpb), int(tp or 1), adp, model)

@@ -90,7 +90,8 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("root", "", str, "Pool directory shared by every owner (required by the connector). "
                 "Several roots may be given separated by ':'; a block's root is chosen by its key."),
     SettingSpec("model_id", "", str, "Model identity mixed into the pool fingerprint. Empty: taken from "
-                "llm_args.model. Set it when the same weights are served under different paths."),
+                "llm_args.model, with @ and llm_args.revision when one is set. Set it when the same weights "
+                "are served under different paths; it replaces both (name the revision in it yourself)."),
     SettingSpec("engine", "auto", str, "I/O engine: auto (kvikio for a CUDA pool, posix for a host pool), "
                 "posix, or kvikio.", _one_of("auto", "posix", "kvikio")),
     SettingSpec("compat_io", "staged", str, "Who moves block files of a CUDA pool when GPUDirect Storage is "
@@ -157,6 +158,7 @@ SPECS: tuple[SettingSpec, ...] = (
 )
 
 _BY_NAME = {s.name: s for s in SPECS}
+_BY_ENV_SUFFIX = {s.env[len(ENV_PREFIX):] for s in SPECS}
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ class Settings:
         if unknown:
             raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         stray = sorted(k for k in env if k.startswith(ENV_PREFIX) and k != CONFIG_ENV
-                       and k[len(ENV_PREFIX):].lower() not in _BY_NAME)
+                       and k[len(ENV_PREFIX):] not in _BY_ENV_SUFFIX)  # exact: a lower-case name is never read
         if stray:
             raise SettingsError(f"unknown environment variable(s): {', '.join(stray)} "
                                 f"(known: {', '.join(s.env for s in SPECS)})")
@@ -238,8 +240,15 @@ def _convert(spec: SettingSpec, raw: Any, source: str) -> Any:
                 raise ValueError(f"expected a boolean, got {raw!r}")
             value = raw
         elif spec.parse is parse_size:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise ValueError(f"expected a size (bytes as an integer, or a string such as '4MiB'), got {raw!r}")
             value = parse_size(str(raw))
         else:
+            # a config file's value must already be of the setting's type: 16.9 threads, true
+            # retries or a null root are mistakes, not values to round or spell out
+            want = (int, float) if isinstance(spec.default, float) else type(spec.default)
+            if isinstance(raw, bool) or not isinstance(raw, want):
+                raise ValueError(f"expected {type(spec.default).__name__}, got {raw!r}")
             value = type(spec.default)(raw)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"{source}: {exc}") from None

@@ -31,11 +31,27 @@ def test_unknown_variable_is_rejected():
         Settings.load_from(env={"TLLM_GDS_KV_ROOT": "/x", "TLLM_GDS_KV_ROTO": "/y"})
 
 
+def test_a_name_in_the_wrong_case_is_rejected_not_ignored():
+    """Only the upper-case name is read: a lower-case one would leave the default silently in force."""
+    with pytest.raises(SettingsError, match="TLLM_GDS_KV_verify"):
+        Settings.load_from(env={"TLLM_GDS_KV_ROOT": "/x", "TLLM_GDS_KV_verify": "0"})
+
+
+@pytest.mark.parametrize("name,value", [("io_threads", 16.9), ("read_retries", True), ("root", None),
+                                        ("model_id", None), ("deadline_s", "soon"), ("quota_bytes", 1.5),
+                                        ("arena_bytes", False)])
+def test_a_config_file_value_of_the_wrong_type_is_rejected_not_coerced(tmp_path, name, value):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"root": "/x", name: value}))
+    with pytest.raises(SettingsError, match=name):
+        Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(cfg)})
+
+
 def test_config_file_and_env_precedence(tmp_path):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"root": "/from-file", "io_threads": 8, "fsync": True}))
+    cfg.write_text(json.dumps({"root": "/from-file", "io_threads": 8, "fsync": True, "deadline_s": 30}))
     s = Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(cfg), "TLLM_GDS_KV_IO_THREADS": "4"})
-    assert s.root == "/from-file" and s.io_threads == 4 and s.fsync is True
+    assert s.root == "/from-file" and s.io_threads == 4 and s.fsync is True and s.deadline_s == 30.0
     toml = tmp_path / "c.toml"
     toml.write_text('root = "/t"\nquota_bytes = "1GiB"\n')
     assert Settings.load_from(env={"TLLM_GDS_KV_CONFIG": str(toml)}).quota_bytes == 1 << 30

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import gds_kv_connector.trtllm_mirror as mirror
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -124,3 +126,21 @@ def test_connector_signatures_match_the_bases():
                                {"update_state_after_alloc_by_layer_group", "request_finished_by_layer_group"})):
         for name in base.__abstractmethods__ | extra:
             assert _params(getattr(ours, name)) == _params(getattr(base, name)), name
+
+
+def test_the_model_revision_and_a_zero_block_size_are_read_not_defaulted():
+    """Two checkpoints of one model name must not share a fingerprint; tokens_per_block=0 is an
+    error, not the default 32."""
+    from types import SimpleNamespace
+
+    from gds_kv_connector.llm_config import read_llm_args
+
+    def args(**kw):
+        return SimpleNamespace(model="org/m", kv_cache_config=SimpleNamespace(tokens_per_block=32), **kw)
+
+    assert read_llm_args(args()).model_id == "org/m"
+    assert read_llm_args(args(revision="main")).model_id == "org/m@main"
+    assert read_llm_args(args(revision="0123abcd")).model_id == "org/m@0123abcd"
+    assert read_llm_args(args(revision="main"), "mine").model_id == "mine"  # TLLM_GDS_KV_MODEL_ID replaces both
+    with pytest.raises(ValueError, match="tokens_per_block must be positive, got 0"):
+        read_llm_args(SimpleNamespace(model="org/m", kv_cache_config=SimpleNamespace(tokens_per_block=0)))
