@@ -12,6 +12,7 @@ metadata for every rank.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from dataclasses import dataclass
 from itertools import islice
@@ -84,8 +85,12 @@ def token_array(tokens: Sequence[int], start: int = 0, stop: int | None = None) 
         stop = len(tokens)
     if isinstance(tokens, (list, tuple)):
         it = tokens if start == 0 else islice(tokens, start, stop)
-        return np.fromiter(it, dtype="<i8", count=max(stop - start, 0))
-    return np.ascontiguousarray(tokens[start:stop], dtype="<i8")
+        # operator.index: a float or a string is refused, as the C conversion refuses it, not truncated
+        return np.fromiter(map(operator.index, it), dtype="<i8", count=max(stop - start, 0))
+    arr = np.asarray(tokens[start:stop])
+    if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63):
+        raise TypeError(f"token ids must be integers within int64, got an array of {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype="<i8")
 
 
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:

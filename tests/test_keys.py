@@ -43,3 +43,26 @@ def test_incremental_chain_equals_full():
     first = extend_chain(chain_seed(FP, "s"), tb, 32, 0, 2)
     rest = extend_chain(first[-1], tb, 32, 2, 3)
     assert first + rest == full
+
+
+def test_tokens_that_are_not_int64_integers_are_refused_on_every_path():
+    """A float token would otherwise be truncated (1.7 keyed as 1) and a uint64 id above int64 wrapped,
+    giving keys that differ from the C conversion's, which refuses both."""
+    import numpy as np
+    import pytest
+
+    from gds_kv_connector import native
+    from gds_kv_connector.keys import chain_from_tokens, token_array
+
+    seed = chain_seed(b"\0" * 32, None)
+    for bad in ([1.7, 2], ["5", 2]):
+        with pytest.raises(TypeError):
+            token_array(bad)
+        if native.BUILT:
+            with pytest.raises(TypeError):
+                chain_from_tokens(seed, bad, 0, 2, 1)
+    for bad in (np.array([1.7, 2.0]), np.array([2**64 - 1, 0], dtype=np.uint64)):
+        with pytest.raises(TypeError, match="integers within int64"):
+            token_array(bad)
+    assert token_array(np.array([5, 2**63 - 1], dtype=np.uint64)).tolist() == [5, 2**63 - 1]
+    assert token_array([True, 3]).tolist() == [1, 3]  # a bool is an int, in C too
