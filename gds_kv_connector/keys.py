@@ -67,9 +67,15 @@ def shard_fingerprint(geom: PoolGeometry, tp_rank: int) -> bytes:
     return hashlib.sha256(_DOMAIN_FP + base + struct.pack("<I", tp_rank)).digest()
 
 
-def chain_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
-    """Seed of one request's chain; ``None`` and ``""`` are distinct salts from any other."""
-    salt = b"\xff" if cache_salt is None else b"\x01" + cache_salt.encode()
+def chain_seed(fingerprint: bytes, cache_salt: str | int | None) -> bytes:
+    """Seed of one request's chain; ``None`` and ``""`` are distinct salts from any other, and an
+    integer (a request's ``cache_salt_id``) from every string, ``"7"`` or ``"id:7"`` included."""
+    if cache_salt is None:
+        salt = b"\xff"
+    elif isinstance(cache_salt, int):
+        salt = b"\x02" + str(int(cache_salt)).encode()
+    else:  # surrogatepass: any str the runtime hands over is a salt, a lone surrogate too
+        salt = b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(_DOMAIN_SEED + fingerprint + struct.pack("<I", len(salt)) + salt).digest()
 
 
@@ -138,7 +144,7 @@ def chain_from_tokens(prev: bytes, tokens: Sequence[int], start: int, tokens_per
     return extend_chain(prev, token_array(tokens, start, stop), tokens_per_block, 0, num_blocks)
 
 
-def block_keys(fingerprint: bytes, cache_salt: str | None, tokens: Sequence[int],
+def block_keys(fingerprint: bytes, cache_salt: str | int | None, tokens: Sequence[int],
                tokens_per_block: int) -> list[bytes]:
     """Keys of every full block of ``tokens``."""
     return chain_from_tokens(chain_seed(fingerprint, cache_salt), tokens, 0, tokens_per_block,

@@ -132,7 +132,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._prefilling: set[int] = set()
         self._peer: PeerInfo | None = None
         self._base_fp = b""
-        self._seeds: dict[str | None, bytes] = {}
+        self._seeds: dict[str | int | None, bytes] = {}
         self._lookup_pools: list[BlockPool] = []
         self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
@@ -169,7 +169,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         """True when this process's worker is the only one that must see a save."""
         return not self.config.sharded_attention
 
-    def _state(self, request_or_id: Any, salt: str | None = None) -> _Request:
+    def _state(self, request_or_id: Any, salt: str | int | None = None) -> _Request:
         rid = request_or_id if isinstance(request_or_id, int) else _request_id(request_or_id)
         st = self._reqs.get(rid)
         if st is None:
@@ -558,10 +558,12 @@ def _tail_tokens(request: Any, held: list[int], have: int, count: int | None) ->
     return [get(0, pos) for pos in range(have, count)]
 
 
-def _cache_salt(request: Any) -> str | None:
+def _cache_salt(request: Any) -> str | int | None:
+    """The request's salt: a string, or the integer ``cache_salt_id`` of older versions, which
+    ``chain_seed`` keeps apart from every string salt."""
     for attr in ("cache_salt", "py_cache_salt"):
         salt = getattr(request, attr, None)
         if salt is not None:
             return str(salt)
     salt_id = getattr(request, "cache_salt_id", None)
-    return None if salt_id is None else f"id:{salt_id}"
+    return None if salt_id is None else int(salt_id)

@@ -24,6 +24,12 @@ def test_salt_separates_and_none_differs_from_empty():
     assert len(keys) == 4
 
 
+def test_a_salt_id_never_shares_a_seed_with_a_string_salt_and_any_string_is_a_salt():
+    seeds = [chain_seed(FP, s) for s in (7, "7", "id:7", 8, None, "")]
+    assert len(set(seeds)) == len(seeds)
+    assert chain_seed(FP, "\ud800") != chain_seed(FP, "\ufffd")  # a lone surrogate is keyed, not an error
+
+
 def test_fingerprint_covers_geometry_but_not_adp_rank():
     variants = [PoolGeometry("m2", "bfloat16", 32, 2, 1 << 20, 32), PoolGeometry("m", "float8", 32, 2, 1 << 20, 32),
                 PoolGeometry("m", "bfloat16", 16, 2, 1 << 20, 32), PoolGeometry("m", "bfloat16", 32, 1, 1 << 20, 32),

@@ -119,4 +119,4 @@ def test_a_request_first_seen_in_a_report_takes_its_salt_from_cache_salt_id(pair
     meta = _plan(sched, new=[_OlderRequestData(1, list(prompt), [3, 4, 5], 0, len(prompt), cache_salt_id=12345)])
     fp = base_fingerprint(sched._peer.geometry)
     saved = [k for op in meta.saves for k in op.keys]
-    assert saved == block_keys(fp, "id:12345", prompt, TPB)[:2] != block_keys(fp, None, prompt, TPB)[:2]
+    assert saved == block_keys(fp, 12345, prompt, TPB)[:2] != block_keys(fp, None, prompt, TPB)[:2]
