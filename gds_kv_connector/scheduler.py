@@ -137,7 +137,6 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
         self._out_loads: list[LoadOp] = []
-        self._out_saves: list[SaveOp] = []
         self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
@@ -311,10 +310,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         if st.pending_load is not None:  # cut when the pages are known (update_state_after_alloc)
             self._cancelled.setdefault(rid, []).append((start, end))
             return
-        queued = [op for op in self._out_loads if op.request_id == rid]
-        if not queued or st.reported:
+        if st.reported:
             return
-        self._out_loads = [op for op in self._out_loads if op.request_id != rid]
+        queued = self._unqueue_loads(rid)
+        if not queued:
+            return
         where = {k: b for b, k in enumerate(st.keys)}
         first, end_block = st.load_range
         pages = [-1] * (end_block - first)
@@ -331,22 +331,28 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._reqs.pop(rid, None)
         self._prefilling.discard(rid)
         self._cancelled.pop(rid, None)
-        if any(op.request_id == rid for op in self._out_loads):
+        self._unqueue_loads(rid)
+
+    def _unqueue_loads(self, rid: int) -> list[LoadOp]:
+        """Take the request's loads not yet handed to the workers out of the queue."""
+        mine = [op for op in self._out_loads if op.request_id == rid]
+        if mine:
             self._out_loads = [op for op in self._out_loads if op.request_id != rid]
+        return mine
 
     # -- per iteration ----------------------------------------------------------------------------
     @traced("sched/build_meta", "green")
     def build_connector_meta(self, scheduler_output: Any) -> GdsKvMetadata | None:
         """This iteration's loads and saves for the workers; None where there are none (most decode
         iterations), so no object is built, broadcast under TP, bound and freed for nothing."""
-        saves = self._out_saves
+        saves: list[SaveOp] = []
         self._fold_reports(scheduler_output.new_requests, True, saves)
         self._fold_reports(scheduler_output.cached_requests, False, saves)
         self._flush_match_counts()
         loads = self._out_loads
         if not loads and not saves:
             return None
-        self._out_loads, self._out_saves = [], []
+        self._out_loads = []
         return GdsKvMetadata(loads, saves)
 
     def _flush_match_counts(self) -> None:

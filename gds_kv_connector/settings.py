@@ -239,17 +239,15 @@ def _convert(spec: SettingSpec, raw: Any, source: str) -> Any:
             if not isinstance(raw, bool):
                 raise ValueError(f"expected a boolean, got {raw!r}")
             value = raw
-        elif spec.parse is parse_size:
-            if isinstance(raw, bool) or not isinstance(raw, int):
-                raise ValueError(f"expected a size (bytes as an integer, or a string such as '4MiB'), got {raw!r}")
-            value = parse_size(str(raw))
         else:
             # a config file's value must already be of the setting's type: 16.9 threads, true
             # retries or a null root are mistakes, not values to round or spell out
             want = (int, float) if isinstance(spec.default, float) else type(spec.default)
             if isinstance(raw, bool) or not isinstance(raw, want):
-                raise ValueError(f"expected {type(spec.default).__name__}, got {raw!r}")
-            value = type(spec.default)(raw)
+                kind = ("a size (bytes as an integer, or a string such as '4MiB')" if spec.parse is parse_size
+                        else type(spec.default).__name__)
+                raise ValueError(f"expected {kind}, got {raw!r}")
+            value = parse_size(str(raw)) if spec.parse is parse_size else type(spec.default)(raw)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"{source}: {exc}") from None
     problem = spec.check(value)
