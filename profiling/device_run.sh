@@ -5,10 +5,14 @@
 #
 #   bash profiling/device_run.sh <commit>      (in the tree, with .whl/ and the built _native.abi3.so carried)
 #
-# Copy $OUT to profiling/results/<gpu>-<commit>/ and commit it.
+# Everything lands in $OUT/results.tgz (the device returns at most 8 files a call; a tarball keeps them all):
+# unpack it into profiling/results/<gpu>-<commit>/ and commit it.
 set -u
 COMMIT=${1:?usage: device_run.sh <commit>}
-OUT=${OUT:?OUT must name the folder the results go to}
+DEST=${OUT:?OUT must name the folder the results go to}
+OUT=/tmp/device-run
+mkdir -p "$OUT"
+trap 'tar czf "$DEST/results.tgz" -C "$OUT" .' EXIT
 R=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     2>/dev/null || echo "wheels from .whl/ not installed: the bench runs without KvikIO"
