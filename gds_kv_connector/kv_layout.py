@@ -8,7 +8,7 @@ single pool tensor cannot describe is refused at start-up with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -92,4 +92,10 @@ def pool_from_layout(layout: Any) -> KvPool:
     if tensor is None:
         raise LayoutError("KvCacheLayout.as_single_pool_tensor() returned None: the layout is not a single "
                           "[num_blocks, num_layers, kv_factor, block_elems] pool")
-    return pool_from_tensor(tensor)
+    kv = pool_from_tensor(tensor)
+    # Some versions type the layout (``KvCacheLayout.dtype``) while handing out a byte tensor: the
+    # declared dtype is the KV's, and it enters the pool fingerprint.
+    declared = getattr(layout, "dtype", None)
+    if kv.dtype_name == "uint8" and isinstance(declared, torch.dtype) and declared != torch.uint8:
+        kv = replace(kv, dtype_name=str(declared).replace("torch.", ""))
+    return kv

@@ -12,6 +12,9 @@ class EngineConfig:
     tp_size: int
     attention_dp: bool
     model_id: str
+    # The configured precision (model dtype, KV cache dtype, KV quantization), for pools whose
+    # tensor is bytes (a V2 layout): fp16 and bf16 KV have equal block sizes and must not share keys.
+    precision: str = "model=auto kv=auto kv_quant=none"
 
     @property
     def sharded_attention(self) -> bool:
@@ -41,4 +44,13 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
             model = f"{model}@{revision}"
     if int(tpb) <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tpb}")
-    return EngineConfig(int(tpb), int(tp or 1), adp, model)
+    return EngineConfig(int(tpb), int(tp or 1), adp, model, _precision(llm_args, kv_cfg))
+
+
+def _precision(llm_args: Any, kv_cfg: Any) -> str:
+    """``llm_args.dtype``, ``kv_cache_config.dtype`` and ``quant_config.kv_cache_quant_algo`` as
+    configured ("auto" resolves from the checkpoint, which the model identity names)."""
+    algo = getattr(getattr(llm_args, "quant_config", None), "kv_cache_quant_algo", None)
+    algo = getattr(algo, "value", algo)  # QuantAlgo is a str enum
+    return (f"model={getattr(llm_args, 'dtype', None) or 'auto'} kv={getattr(kv_cfg, 'dtype', None) or 'auto'} "
+            f"kv_quant={algo or 'none'}")

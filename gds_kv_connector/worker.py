@@ -58,7 +58,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.kv is not None:
             raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
         cfg = self.config
-        geom = PoolGeometry(cfg.model_id, kv.dtype_name, kv.num_layers, kv.kv_factor, kv.block_bytes,
+        # A byte tensor (V2's layout) does not say whether its KV is fp16 or bf16 (equal sizes): the
+        # configured precision stands in for the dtype, so the two never share a fingerprint.
+        dtype = kv.dtype_name if kv.dtype_name != "uint8" else f"bytes[{cfg.precision}]"
+        geom = PoolGeometry(cfg.model_id, dtype, kv.num_layers, kv.kv_factor, kv.block_bytes,
                             cfg.tokens_per_block, cfg.tp_size if cfg.sharded_attention else 1)
         shards = range(geom.tp_size)
         fingerprints = tuple(shard_fingerprint(geom, r) for r in shards)

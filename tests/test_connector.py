@@ -243,8 +243,10 @@ def test_bad_page_entries_are_skipped(pool_env):
 
 
 class _Layout:
-    def __init__(self, tensor, groups=1, regions=1):
+    def __init__(self, tensor, groups=1, regions=1, dtype=None):
         self._t = tensor
+        if dtype is not None:
+            self.dtype = dtype
         region = SimpleNamespace()
         self.groups = tuple(SimpleNamespace(layer_group_id=g, regions=(region,) * regions, replicated_regions=())
                             for g in range(groups))
@@ -264,6 +266,38 @@ def test_register_kv_cache_layout(pool_env):
             GdsKvConnectorWorker(llm_args).register_kv_cache_layout(bad)
     with pytest.raises(LayoutError, match="contiguous"):
         GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((2, 8, 4, 64)).transpose(0, 1))
+
+
+def test_a_byte_layout_is_fingerprinted_with_the_configured_precision(pool_env):
+    """A V2 layout's byte tensor looks the same for fp16 and bf16 KV (equal block sizes): the
+    configured dtypes (or the layout's declared dtype) keep their pools apart; a typed tensor's
+    fingerprint does not depend on them (pools saved before stay found)."""
+    def fingerprint(tensor, layout_dtype=None, **cfg):
+        llm_args = fake_llm_args(SHAPE.tokens_per_block)
+        for name, value in cfg.items():
+            if name == "kv":
+                llm_args.kv_cache_config.dtype = value
+            elif name == "quant":
+                llm_args.quant_config = SimpleNamespace(kv_cache_quant_algo=value)
+            else:
+                setattr(llm_args, name, value)
+        w = GdsKvConnectorWorker(llm_args)
+        w.register_kv_cache_layout(_Layout(tensor, dtype=layout_dtype))
+        try:
+            return w.pool.fingerprint
+        finally:
+            w.shutdown()
+
+    raw = torch.zeros((8, 2, 2, 1024), dtype=torch.uint8)
+    fp16, bf16 = fingerprint(raw, dtype="float16"), fingerprint(raw, dtype="bfloat16")
+    assert fp16 != bf16 != fingerprint(raw) != fp16
+    assert fingerprint(raw, dtype="float16") == fp16  # the same configuration finds its pool again
+    assert fingerprint(raw, kv="fp8") != fingerprint(raw, kv="auto") == fingerprint(raw)
+    assert fingerprint(raw, quant="FP8") != fingerprint(raw)
+    assert fingerprint(raw, torch.float16) != fingerprint(raw, torch.bfloat16)
+    assert fingerprint(raw, torch.bfloat16) == fingerprint(torch.zeros((8, 2, 2, 512), dtype=torch.bfloat16))
+    typed = torch.zeros((8, 2, 2, 512), dtype=torch.bfloat16)
+    assert fingerprint(typed, dtype="float16") == fingerprint(typed) == fingerprint(typed, kv="fp8")
 
 
 def test_block_views_are_each_blocks_bytes_made_once():
