@@ -185,8 +185,17 @@ static int convert_tokens(PyObject *tokens, int is_list, Py_ssize_t start, Py_ss
     for (Py_ssize_t b = 0, i = 0; b < n; b++) {
         for (Py_ssize_t end = i + tpb; i < end; i++) {
             PyObject *t = is_list ? PyList_GetItem(tokens, start + i) : PyTuple_GetItem(tokens, start + i);
-            long long v = PyLong_AsLongLong(t);
-            if (v == -1 && PyErr_Occurred()) {
+            long long v = -1;
+            if (t && PyLong_CheckExact(t)) {
+                v = PyLong_AsLongLong(t);
+            } else if (t) {
+                /* An int subclass's __index__ runs Python code, which may shrink the list and free t:
+                 * t is held for the call, and a shrunk list is an IndexError, not a SystemError. */
+                Py_INCREF(t);
+                v = PyLong_AsLongLong(t);
+                Py_DECREF(t);
+            }
+            if (!t || (v == -1 && PyErr_Occurred())) {
                 if (job) atomic_store_explicit(&job->abort, 1, memory_order_relaxed);
                 return -1;
             }

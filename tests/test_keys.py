@@ -72,3 +72,26 @@ def test_tokens_that_are_not_int64_integers_are_refused_on_every_path():
             token_array(bad)
     assert token_array(np.array([5, 2**63 - 1], dtype=np.uint64)).tolist() == [5, 2**63 - 1]
     assert token_array([True, 3]).tolist() == [1, 3]  # a bool is an int, in C too
+
+
+def test_a_token_list_that_shrinks_while_converted_is_an_index_error():
+    """A token object whose ``__index__`` shrinks the list mid-conversion: the C loop holds the token
+    for the call and reports the shrunk list as an IndexError (it was a SystemError, and the token
+    could be freed while being read)."""
+    import pytest
+
+    from gds_kv_connector import native
+    from gds_kv_connector.keys import chain_from_tokens
+
+    if not native.BUILT:
+        pytest.skip("the C extension is not built")
+    tokens: list = list(range(64))
+
+    class Shrinks:
+        def __index__(self) -> int:
+            del tokens[10:]
+            return 5
+
+    tokens[3] = Shrinks()
+    with pytest.raises(IndexError):
+        chain_from_tokens(chain_seed(b"\0" * 32, None), tokens, 0, 32, 2)
