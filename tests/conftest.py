@@ -31,6 +31,30 @@ def pool_env(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture
+def connector_pair(pool_env):
+    """``make(model, kv_shape, **llm_kw) -> (scheduler, worker)``: a worker registered over a zeroed
+    bf16 KV cache of ``kv_shape`` and its scheduler, initialized; every worker made is shut down at
+    the end of the test."""
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import fake_llm_args
+
+    made = []
+
+    def make(model, kv_shape, tokens_per_block=4, **llm_kw):
+        la = fake_llm_args(tokens_per_block, model=model, **llm_kw)
+        worker = GdsKvConnectorWorker(la)
+        made.append(worker)
+        worker.register_kv_caches(torch.zeros(kv_shape, dtype=torch.bfloat16))
+        sched = GdsKvConnectorScheduler(la)
+        sched.wait_for_initialization()
+        return sched, worker
+
+    yield make
+    for w in made:
+        w.shutdown()
+
+
 @pytest.fixture(params=["c", "python"])
 def native_impl(request, monkeypatch):
     """Run a test with the C per-block loops (where the extension is built) and with their Python fallback."""

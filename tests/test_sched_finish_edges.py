@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import pytest
-import torch
 
-from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector import GdsKvConnectorScheduler
 from gds_kv_connector.keys import base_fingerprint, block_keys
 from gds_kv_connector.reference import SimRequest, fake_llm_args
 from gds_kv_connector.settings import SettingsError
@@ -19,21 +18,8 @@ TPB = 4
 
 
 @pytest.fixture
-def pair(pool_env):
-    made = []
-
-    def make(**llm_kw):
-        la = fake_llm_args(TPB, model="sched-finish-edges", **llm_kw)
-        worker = GdsKvConnectorWorker(la)
-        made.append(worker)
-        worker.register_kv_caches(torch.zeros((16, 1, 2, 128), dtype=torch.bfloat16))
-        sched = GdsKvConnectorScheduler(la)
-        sched.wait_for_initialization()
-        return sched, worker
-
-    yield make
-    for w in made:
-        w.shutdown()
+def pair(connector_pair):
+    return lambda **llm_kw: connector_pair("sched-finish-edges", (16, 1, 2, 128), TPB, **llm_kw)
 
 
 def _plan(sched, new=(), cached=()):

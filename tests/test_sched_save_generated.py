@@ -9,13 +9,10 @@ computes them.
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from connector_helpers import CountedRequest, plan
-from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.keys import base_fingerprint, block_keys
 from gds_kv_connector.pool_format import ZERO_KEY
-from gds_kv_connector.reference import fake_llm_args
 from gds_kv_connector.settings import Settings
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
 
@@ -23,24 +20,15 @@ TPB = 4
 
 
 @pytest.fixture
-def connector(pool_env, monkeypatch):
-    made = []
-
+def connector(connector_pair, monkeypatch):
     def make(mode: str, **llm_kw):
         monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", mode)
-        la = fake_llm_args(TPB, model="sched-save-generated", **llm_kw)
-        worker = GdsKvConnectorWorker(la)
-        made.append(worker)
-        worker.register_kv_caches(torch.zeros((64, 1, 2, 1024), dtype=torch.bfloat16))
-        sched = GdsKvConnectorScheduler(la)
-        sched.wait_for_initialization()
+        sched, _ = connector_pair("sched-save-generated", (64, 1, 2, 1024), TPB, **llm_kw)
         delivered = []
         sched._connect().deliver_saves = delivered.extend  # a finished request's saves, handed over
         return sched, delivered
 
-    yield make
-    for w in made:
-        w.shutdown()
+    return make
 
 
 class _Req(SimpleNamespace):
