@@ -19,7 +19,10 @@ Rules that keep readers safe without a lock shared between processes:
 
 * Only the slab's owner writes it.  The owner holds ``flock(LOCK_EX)`` on the slab for its whole
   life; a later process on the same host that obtains the lock knows the owner is gone and adopts
-  the slab (only the same host: some shared filesystems keep flocks per node).
+  the slab (only the same host: some shared filesystems keep flocks per node).  A slab is created
+  under a hidden temporary name and gets its own only once locked, and an adopter checks, once it
+  holds the lock, that the name still leads to the inode it locked (gc may remove a free slab
+  between an adopter's open and its flock).
 * A slot is reused only after no reference points at it (evicted by anyone, or by the owner when
   the arena is full) and a further ``reuse_delay_s`` has passed.
 * Mapped slabs: the owner clears a slot's header before it overwrites the payload and writes the
@@ -60,6 +63,7 @@ log = logging.getLogger(__name__)
 
 SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
+SLAB_TMP_SUFFIX = ".tmp"  # a slab being created: "." + its name + this, renamed once locked and sized
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
@@ -191,23 +195,35 @@ class SlotArena:
 
     # -- slabs ------------------------------------------------------------------------------------
     def _create_slab(self, nslots: int) -> None:
+        """A new slab, locked and sized under a hidden temporary name before it gets its own: a slab
+        under its name with a free lock looks like a dead owner's, and another process would adopt
+        it (the creator's flock then failed, and its clean-up unlinked the slab just adopted)."""
         # host (cut to 32) + pid (<= 7 digits) + 12 hex digits + suffix stays within the 64-byte name field
         name = check_slab_name(f"{_slab_host()}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
-        path = os.path.join(self.dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
+        path, tmp = os.path.join(self.dir, name), os.path.join(self.dir, slab_tmp_name(name))
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
+        slab: Slab | None = None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # gc leaves a fresh temporary file alone
             if self.pool.file_mode & 0o077:
                 os.fchmod(fd, self.pool.file_mode)
             os.ftruncate(fd, nslots * self.slot_bytes)
             if not self.mapped:
                 _preallocate(fd, nslots * self.slot_bytes)
             slab = self._map(name, fd, nslots, writable=True)
-            slab.owned = True
+            # rename replaces a file of that name; O_EXCL on the temporary name and this check keep
+            # two creators that drew one name (pids repeat across containers) from sharing a slab
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "slab name taken", path)
+            os.rename(tmp, path)  # the lock stays with the inode
         except BaseException:
-            os.close(fd)
-            _unlink_quietly(path)
+            _unlink_quietly(tmp)  # still locked: no one else ever held it
+            if slab is not None:
+                self._unmap(slab)  # closes fd
+            else:
+                os.close(fd)
             raise
+        slab.owned = True
         now = self.clock()
         with self._lock:
             self._slabs[name] = slab
@@ -228,6 +244,12 @@ class SlotArena:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)  # a live owner holds it
+            return
+        if not _still_named(path, fd):
+            # gc locked, unlinked and closed it between the open and the flock: slots saved into
+            # this inode would be named by references no process can follow
+            log.info("gds-kv arena: not adopting slab %s: removed before it was locked", name)
+            os.close(fd)
             return
         # Under the lock: a load may have mapped this slab for reading meanwhile, and replacing that
         # mapping would unmap it under the addresses a transfer thread is copying from (a crash, not
@@ -616,6 +638,32 @@ def slab_host_is_this(name: str) -> bool:
     slabs are adopted or removed here: the owner lock is a ``flock``, which some shared filesystems
     keep per node, so a free lock seen from another node does not prove the owner is gone."""
     return name.split("-", 1)[0] == _slab_host()
+
+
+def slab_tmp_name(name: str) -> str:
+    """The hidden name a slab is created under: it neither ends in SLAB_SUFFIX nor passes
+    check_slab_name, so arenas, ``gds-kv stats`` and references never take it for a slab."""
+    return f".{name}{SLAB_TMP_SUFFIX}"
+
+
+def slab_of_tmp_name(name: str) -> str | None:
+    """The slab name a temporary name (:func:`slab_tmp_name`) was made for, or None."""
+    if name.startswith(".") and name.endswith(SLAB_SUFFIX + SLAB_TMP_SUFFIX):
+        return name[1:-len(SLAB_TMP_SUFFIX)]
+    return None
+
+
+def _still_named(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd`` (a lock taken after an open may be on
+    an inode removed in between)."""
+    st = os.fstat(fd)
+    if st.st_nlink == 0:
+        return False
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _preallocate(fd: int, nbytes: int) -> None:

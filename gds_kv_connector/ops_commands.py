@@ -150,8 +150,9 @@ def format_gc(result: dict[str, Any]) -> str:
         if r["tmp_removed"] or r["quarantine_removed"] or r["logs_folded"]:
             lines.append(f"  tidied {r['tmp_removed']} stale temporary files, {r['quarantine_removed']} old "
                          f"quarantined files, {r['logs_folded']} idle access logs")
-    if result["slabs_removed"] or result["slabs_kept_referenced"]:
-        lines.append(f"  arena slabs no owner holds: {verb} {result['slabs_removed']} "
+    if result["slabs_removed"] or result["slabs_kept_referenced"] or result["slab_temps_removed"]:
+        lines.append(f"  arena slabs no owner holds: {verb} {result['slabs_removed']} and "
+                     f"{result['slab_temps_removed']} left unfinished by a creator that died "
                      f"({_human(result['slab_bytes_removed'])}), kept {result['slabs_kept_referenced']} that "
                      "references still name")
     if not result["within_budget"]:

@@ -11,6 +11,10 @@ until someone adopts them.  A slab can go once three things hold together:
 * no reference file in the slab's fingerprint directory names it.  Only a slab's owner links
   references to it, and there is none while the lock is held here, so none can appear.
 
+A slab is created under a hidden temporary name (arena.slab_tmp_name) and renamed once locked and
+sized; a creator that died before the rename leaves that file.  No reference can name it (its
+owner never published into it), so it goes once its lock is free and it is older than FRESH_S.
+
 Reference files are recognised by their magic and size only, and any that names the slab keeps
 it: a damaged or foreign reference errs towards keeping bytes, never towards removing a slab
 that a valid reference still needs.
@@ -23,48 +27,59 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .arena import SLAB_SUFFIX, SLABS_DIR, slab_host_is_this
+from .arena import SLAB_SUFFIX, SLABS_DIR, slab_host_is_this, slab_of_tmp_name
 from .pool_format import REF_HEADER_SIZE, is_ref_size, ref_slab_name
 from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
 
-FRESH_S = 60.0  # a slab changed this recently may be one whose creator has not locked it yet
+FRESH_S = 60.0  # a file changed this recently may be one whose creator has not locked it yet
 
 
 @dataclass
 class SlabReport:
     removed: list[str] = field(default_factory=list)  # paths
-    removed_bytes: int = 0
+    removed_bytes: int = 0  # of the slabs and temporary files removed
+    temps_removed: list[str] = field(default_factory=list)  # paths of slabs whose creator died creating them
     kept_referenced: int = 0  # free slabs some reference still names
-    held: int = 0  # slabs a live owner holds (or one created in the last FRESH_S)
+    held: int = 0  # slabs (or temporary files) a live owner holds, or changed in the last FRESH_S
     other_hosts: int = 0  # slabs created on another host: left to a gc run there
 
     def to_dict(self) -> dict[str, int]:
         return {"slabs_removed": len(self.removed), "slab_bytes_removed": self.removed_bytes,
                 "slabs_kept_referenced": self.kept_referenced, "slabs_held_by_owners": self.held,
-                "slabs_of_other_hosts": self.other_hosts}
+                "slabs_of_other_hosts": self.other_hosts, "slab_temps_removed": len(self.temps_removed)}
 
 
 def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = None) -> SlabReport:
     """Remove (or with ``dry_run`` only count) every slab below ``root`` that is unowned and unnamed.
-    A slab changed in the last ``FRESH_S`` is left alone: its creator opens it before it locks it."""
+    Stale temporary files of creators that died go too.  A file changed in the last ``FRESH_S`` is
+    left alone: its creator opens it before it locks it (under the slab's own name, before versions
+    that create slabs under a temporary name)."""
     report = SlabReport()
     now = time.time() if now is None else now
     base = layout_dir(root)
     locked: dict[str, int] = {}  # slab path -> descriptor holding its lock
+    temps: dict[str, int] = {}  # temporary file path -> descriptor holding its lock
     try:
         for fp in fingerprint_dirs(root):
             slab_dir = os.path.join(base, fp, SLABS_DIR)
             for name in sorted(list_dir(slab_dir)):
-                if not name.endswith(SLAB_SUFFIX) or name.startswith("."):
+                slab = slab_of_tmp_name(name)
+                if slab is None and (not name.endswith(SLAB_SUFFIX) or name.startswith(".")):
                     continue
-                if not slab_host_is_this(name):
+                if not slab_host_is_this(slab or name):
                     report.other_hosts += 1
                     continue
-                fd = _lock(os.path.join(slab_dir, name), now)
+                path = os.path.join(slab_dir, name)
+                fd = _lock(path, now)
                 if fd is None:
                     report.held += 1
                 else:
-                    locked[os.path.join(slab_dir, name)] = fd
+                    (locked if slab is None else temps)[path] = fd
+        for path, fd in temps.items():
+            size = _remove(path, fd, dry_run)
+            if size is not None:
+                report.temps_removed.append(path)
+                report.removed_bytes += size
         if not locked:
             return report
         # Walked only now, with the locks held: a reference its owner linked before it died, after
@@ -76,18 +91,26 @@ def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = No
             if (fp, os.path.basename(path)) in named:
                 report.kept_referenced += 1
                 continue
-            size = os.fstat(fd).st_size
-            if not dry_run:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-            report.removed.append(path)
-            report.removed_bytes += size
+            size = _remove(path, fd, dry_run)
+            if size is not None:
+                report.removed.append(path)
+                report.removed_bytes += size
     finally:
-        for fd in locked.values():
+        for fd in [*locked.values(), *temps.values()]:
             os.close(fd)
     return report
+
+
+def _remove(path: str, fd: int, dry_run: bool) -> int | None:
+    """Unlink (unless ``dry_run``) a file this process holds the lock of; its size, or None when
+    it was gone already."""
+    size = os.fstat(fd).st_size
+    if not dry_run:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
+    return size
 
 
 def _lock(path: str, now: float) -> int | None:

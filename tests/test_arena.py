@@ -812,3 +812,148 @@ def test_the_key_directory_pass_stops_once_every_key_directory_exists(shm_root, 
     after = bytes([9]) + hashlib.sha256(b"after").digest()[1:]
     assert save([after], 7) == [a.dir_for(after)]
     a.arena.close()
+
+
+class _Patched:
+    """A stand-in for a module in arena's namespace with some functions replaced."""
+
+    def __init__(self, module, **overrides) -> None:
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def test_a_slab_gc_removes_between_an_adopter_s_open_and_its_lock_is_not_adopted(shm_root, engine, monkeypatch):
+    """gc may lock, unlink and close a dead owner's slab between an adopter's open and its flock: the
+    adopter's lock is then on an inode no name leads to, and slots saved there could never be read."""
+    from gds_kv_connector.slab_gc import remove_orphan_slabs
+
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    a.arena.close()  # a dead owner's slab, free and named by no reference
+    (dead,) = os.listdir(a.arena.dir)
+    dead_ino = os.stat(os.path.join(a.arena.dir, dead)).st_ino
+    real_flock, removed = fcntl.flock, []
+
+    def flock(fd, op):
+        if not removed and os.fstat(fd).st_ino == dead_ino:  # the adopter has opened the dead slab
+            removed.extend(remove_orphan_slabs(shm_root, now=time.time() + 120).removed)
+        return real_flock(fd, op)
+
+    with monkeypatch.context() as m:  # (undo() would also undo the native_impl fixture's patch)
+        m.setattr(arena_mod, "fcntl", _Patched(fcntl, flock=flock))  # arena's calls only, not gc's
+        b = _pool(shm_root, engine, 2, per_slab=2)
+    assert [os.path.basename(p) for p in removed] == [dead]
+    usage = b.arena.usage()
+    assert usage.get("slabs_adopted", 0) == 0 and usage["slabs_created"] == 1 and usage["owned_slots"] == 2
+    assert sorted(os.listdir(b.arena.dir)) == sorted(b.arena._slabs) != [dead]
+    b.arena.close()
+
+
+class _Watched:
+    """A stand-in for a module in arena's namespace that runs ``check`` after every call into it."""
+
+    def __init__(self, module, check) -> None:
+        self._module, self._check = module, check
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def call(*args, **kwargs):
+            try:
+                return value(*args, **kwargs)
+            finally:
+                self._check()
+        return call
+
+
+def test_a_new_slab_is_never_visible_under_its_name_unlocked(shm_root, engine, monkeypatch):
+    """A slab another process can open under its final name but not yet lock would be adopted by
+    that process, and its creator's failed flock then unlinked the adopted slab: a creator makes the
+    name appear only once the slab is locked (and sized)."""
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+    pool.arena = _arena(pool, engine, 4, 2, 0.0)
+    d = pool.arena.dir
+    seen_locked: set[str] = set()
+    unlocked: list[str] = []
+
+    def check() -> None:  # what another process's _try_adopt would find right now
+        for name in os.listdir(d):
+            if not name.endswith(arena_mod.SLAB_SUFFIX) or name.startswith("."):
+                continue
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                seen_locked.add(name)
+            else:
+                unlocked.append(name)
+            finally:
+                os.close(fd)
+
+    with monkeypatch.context() as m:
+        m.setattr(arena_mod, "os", _Watched(os, check))
+        m.setattr(arena_mod, "fcntl", _Watched(fcntl, check))
+        pool.arena.start(background=False)
+    assert unlocked == []
+    assert seen_locked == set(pool.arena._slabs) and len(seen_locked) == 2
+    assert sorted(os.listdir(d)) == sorted(pool.arena._slabs)  # no temporary name left behind
+    assert pool.arena.usage()["owned_slots"] == 4
+    pool.arena.close()
+
+
+def test_gc_removes_a_stale_temporary_slab_but_not_a_fresh_or_locked_one(shm_root, engine):
+    """A creator that died before its slab got its name leaves a hidden temporary file; gc removes it
+    once its lock is free and it is older than FRESH_S, and never one a creator still holds."""
+    from gds_kv_connector.ops_commands import format_gc, gc
+
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    (slab,) = os.listdir(a.arena.dir)
+    stale = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "0.slab")))
+    held = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "1.slab")))
+    for path in (stale, held):
+        with open(path, "wb") as fh:
+            fh.truncate(2 * a.file_size)
+    holder = os.open(held, os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live creator
+    try:
+        later = time.time() + 120
+        r = gc(shm_root, 0, 0.9)  # both fresh: a creator may not have locked it yet
+        assert (r["slab_temps_removed"], r["slabs_removed"]) == (0, 0)
+        r = gc(shm_root, 0, 0.9, dry_run=True, now=later)
+        assert (r["slab_temps_removed"], r["slabs_removed"]) == (1, 0) and os.path.exists(stale)
+        r = gc(shm_root, 0, 0.9, now=later)
+        assert (r["slab_temps_removed"], r["slabs_removed"], r["slabs_held_by_owners"]) == (1, 0, 2)
+        assert r["slab_bytes_removed"] == 2 * a.file_size
+        assert "removed 0 and 1 left unfinished by a creator that died" in format_gc(r)
+        assert sorted(os.listdir(a.arena.dir)) == sorted([slab, os.path.basename(held)])
+        # the arena and `gds-kv stats` see neither temporary name as a slab
+        from gds_kv_connector.ops_commands import stats
+        (entry,) = stats(shm_root)["fingerprints"].values()
+        assert entry["slabs"] == 1
+    finally:
+        os.close(holder)
+        a.arena.close()
+
+
+def test_a_slab_that_fails_while_created_leaves_no_file(shm_root, engine, monkeypatch):
+    """A creator that fails before its slab has its name removes the temporary file itself."""
+    import errno
+
+    def ftruncate(fd, n):
+        raise OSError(errno.ENOSPC, "no space")
+
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+    pool.arena = _arena(pool, engine, 2, 2, 0.0)
+    with monkeypatch.context() as m:
+        m.setattr(arena_mod, "os", _Patched(os, ftruncate=ftruncate))
+        pool.arena.start(background=False)
+    assert pool.arena.usage()["build_errors"] == 1 and pool.arena.owned_slots == 0
+    assert os.listdir(pool.arena.dir) == []
+    pool.arena.close()
