@@ -10,6 +10,7 @@ at construction with one line naming the setting, never mid-serving.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -44,7 +45,7 @@ def parse_size(text: str) -> int:
     if suffix not in _SIZE_SUFFIX or not num:
         raise ValueError(f"expected a byte size such as 4MiB, got {text!r}")
     value = float(num) * _SIZE_SUFFIX[suffix]
-    if value < 0 or value != int(value):
+    if not math.isfinite(value) or value < 0 or value != int(value):
         raise ValueError(f"expected a non-negative whole number of bytes, got {text!r}")
     return int(value)
 
@@ -60,6 +61,9 @@ class SettingSpec:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+
+MAX_SECONDS = 1e9  # about 31 years: any longer duration is a mistake, and waits overflow past it
 
 
 def _positive(v: float) -> str | None:
@@ -250,6 +254,10 @@ def _convert(spec: SettingSpec, raw: Any, source: str) -> Any:
             value = parse_size(str(raw)) if spec.parse is parse_size else type(spec.default)(raw)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"{source}: {exc}") from None
+    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_SECONDS):
+        # every float setting is a duration or a fraction: inf passed the range checks, then broke
+        # eviction (int(inf * 1e9)) and the stats thread (a wait past TIMEOUT_MAX) while serving
+        raise SettingsError(f"{source}={raw!r}: must be a finite number of at most {MAX_SECONDS:.0e}")
     problem = spec.check(value)
     if problem:
         raise SettingsError(f"{source}={raw!r}: {problem}")
