@@ -1,7 +1,7 @@
 """Running eviction from a serving process without ever stalling a save or the executor.
 
 Saves only bump a byte counter (:meth:`CapacityGuard.note_saved`); one background thread per
-process runs :func:`~gds_kv_connector.eviction.evict` on every root when a slice of the quota
+process runs :func:`~gds_kv_connector.eviction.evict_pool` over all roots when a slice of the quota
 has been written since the last run, or every ``check_interval_s`` regardless (other owners
 and other tenants of the filesystem fill it too).  Across processes the eviction lock makes
 the run a no-op for all but one owner at a time.
@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from .eviction import EvictionReport, HeaderCache, evict
+from .eviction import EvictionReport, HeaderCache, evict_pool
 from .recency import RecencyIndex, RecencyLog
 from .settings import Settings
 from .stats import Stats
@@ -47,7 +47,7 @@ class CapacityGuard:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
-        self._caches: list[HeaderCache] = [{} for _ in self.roots]
+        self._cache: HeaderCache = {}  # headers of every root, keyed by path
         self._indexes = [RecencyIndex(r) for r in self.roots]
         self._thread: threading.Thread | None = None
         if self.enabled:
@@ -105,17 +105,18 @@ class CapacityGuard:
     def _check(self) -> None:
         if self._recency_log is not None:
             self._recency_log.flush()  # this process's own touches must protect its blocks
-        reports = []
-        for root, cache, index in zip(self.roots, self._caches, self._indexes):
-            t0 = time.monotonic()
-            rep = evict(root, self.quota_bytes, self.low_watermark, self.min_free_bytes, self.grace_s,
-                        header_cache=cache, recency=index)
-            reports.append(rep)
-            if self._stats is not None:
-                self._stats.add_many(evict_runs=1, evict_skipped=int(rep.skipped),
-                                     evict_blocks=rep.evicted_blocks, evict_bytes=rep.evicted_bytes,
-                                     evict_short=int(not rep.skipped and not rep.reached_target),
-                                     evict_ms=int((time.monotonic() - t0) * 1000))
+        # One run over every root: a chain's blocks are spread over the roots by key, and only a run
+        # that sees them all keeps tails going before heads and a head as recent as its descendants.
+        t0 = time.monotonic()
+        reports = evict_pool(self.roots, self.quota_bytes, self.low_watermark, self.min_free_bytes, self.grace_s,
+                             header_cache=self._cache, recency=self._indexes)
+        if self._stats is not None:
+            self._stats.add_many(evict_runs=1, evict_skipped=int(any(rep.skipped for rep in reports)),
+                                 evict_blocks=sum(rep.evicted_blocks for rep in reports),
+                                 evict_bytes=sum(rep.evicted_bytes for rep in reports),
+                                 evict_short=int(any(not rep.skipped and not rep.reached_target for rep in reports)),
+                                 evict_ms=int((time.monotonic() - t0) * 1000))
+        for root, rep in zip(self.roots, reports):
             if not rep.skipped and not rep.reached_target:
                 log.warning("pool %s stays over its budget: freed %d of %d bytes, %d block(s) within the "
                             "%.0f s grace", root, rep.evicted_bytes, rep.target_bytes, rep.protected_blocks,

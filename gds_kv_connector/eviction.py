@@ -13,6 +13,15 @@ Rules, and why:
 * Tails before heads: prefix matching stops at the first missing block, so a block whose child
   is still present is only removed after that child, and a parent is as recent as its most
   recent descendant.  Evicting a head first would orphan the whole chain behind it.
+* One plan for the whole pool: with several roots a key lives under root ``key[0] % n``, so a
+  chain's blocks are spread over them.  A root planned alone would take a block whose parent is
+  in another root for one cut off from its head (and remove it first), and would never see that
+  a head leads to a fresh block in another root.  :func:`evict_pool` takes every root's lock
+  and plans over the blocks of all roots.  Each root keeps its own budget; one within it gives
+  up a chain's tail only to uncover a block of a root still short of room.
+* A clock is not trusted beyond the evictor's: a time ahead of its now counts as now, and one
+  more than :data:`FUTURE_TOLERANCE_NS` ahead as unknown, so a writer with a wrong clock cannot
+  keep its blocks, and with them their ancestors, fresh for ever.
 """
 
 from __future__ import annotations
@@ -25,12 +34,14 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .pool import _HOST, _pid_alive, _tmp_is_stale
 from .pool_format import ZERO_KEY, FormatError
-from .pool_scan import (BlockFile, layout_dir, owners_dir, quarantine_dir, quarantined_at_ns,
+from .pool_scan import (BlockFile, PoolScan, layout_dir, owners_dir, quarantine_dir, quarantined_at_ns,
                         read_header, scan_pool)
 from .recency import RecencyIndex, fold_stale_logs
 
@@ -43,10 +54,13 @@ QUARANTINE_KEEP_S = 86_400.0
 LOG_FOLD_AGE_S = 3_600.0  # access logs idle this long are folded into the archive log
 OWNER_STATS_KEEP_S = 7 * 86_400.0
 OWNER_TMP_KEEP_S = 3_600.0
+FUTURE_TOLERANCE_NS = 86_400 * 10**9  # the bound recency.merge_records puts on access records too
 _FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 #: header facts of one published file: path -> ((inode, ctime_ns), created_ns, parent key)
 HeaderCache = dict[str, tuple[tuple[int, int], int, bytes]]
+#: a block of the plan: (fingerprint dir, key), the same in every root
+NodeId = tuple[str, bytes]
 
 
 @dataclass
@@ -179,10 +193,12 @@ class EvictLock:
 class _Node:
     block: BlockFile
     recency: int  # ns; raised to the newest descendant's before planning
-    parent: tuple[str, bytes] | None
+    parent: NodeId | None
     children: int = 0
     orphan: bool = False  # its parent is gone
     dangling: bool = False  # it or an ancestor is an orphan: no lookup can reach it any more
+    root: int = 0  # index of its root in the pool's roots
+    above: int = 0  # bit i set: an ancestor old enough to evict lives in root i (several roots only)
 
 
 def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int, grace_s: float,
@@ -192,7 +208,24 @@ def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int
     ``min_free_bytes / low_watermark`` free) once it is over quota or below ``min_free_bytes``.
 
     ``quota_bytes`` 0 means no quota.  ``header_cache`` and ``recency`` let a long-lived
-    caller avoid re-reading unchanged headers and whole access logs on every run.
+    caller avoid re-reading unchanged headers and whole access logs on every run.  ``root``
+    is the pool's only root; a pool of several roots goes through :func:`evict_pool`.
+    """
+    return evict_pool((root,), quota_bytes, low_watermark, min_free_bytes, grace_s, now, dry_run=dry_run,
+                      header_cache=header_cache, recency=None if recency is None else (recency,))[0]
+
+
+def evict_pool(roots: Sequence[str], quota_bytes: int, low_watermark: float, min_free_bytes: int,
+               grace_s: float, now: float | None = None, *, dry_run: bool = False,
+               header_cache: HeaderCache | None = None,
+               recency: Sequence[RecencyIndex] | None = None) -> list[EvictionReport]:
+    """:func:`evict` every root of one pool in one run; one report per root, in ``roots`` order.
+
+    ``roots`` are all the roots of the pool (``TLLM_GDS_KV_ROOT``); the budget applies to each
+    root.  ``recency`` holds one index per root, in the same order; ``header_cache`` may hold
+    the headers of every root.  Taking every root's lock, rather than one root's lock and a
+    read-only look at the others, is what lets a run remove a chain's tail in one root before
+    its head in another: only the holder of a root's lock removes blocks there.
     """
     def plan(report: EvictionReport, free: int) -> int:
         usage, to_free, reasons = report.scanned_bytes, 0, []
@@ -205,7 +238,7 @@ def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int
         report.reason = "+".join(reasons)
         return to_free
 
-    return _run(root, now, dry_run, header_cache, recency, plan, int(grace_s * 1e9))
+    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(grace_s * 1e9))
 
 
 def expire(root: str, max_age_s: float, now: float | None = None, *, dry_run: bool = False,
@@ -213,81 +246,126 @@ def expire(root: str, max_age_s: float, now: float | None = None, *, dry_run: bo
     """Remove every block neither published nor accessed within ``max_age_s``.
 
     A parent is as recent as its newest descendant, so a chain expires from its tail and an
-    old head that still leads to a fresh block stays.
+    old head that still leads to a fresh block stays.  ``root`` is the pool's only root; a pool
+    of several roots goes through :func:`expire_pool`.
     """
+    return expire_pool((root,), max_age_s, now, dry_run=dry_run, header_cache=header_cache,
+                       recency=None if recency is None else (recency,))[0]
+
+
+def expire_pool(roots: Sequence[str], max_age_s: float, now: float | None = None, *, dry_run: bool = False,
+                header_cache: HeaderCache | None = None,
+                recency: Sequence[RecencyIndex] | None = None) -> list[EvictionReport]:
+    """:func:`expire` every root of one pool in one run (arguments as for :func:`evict_pool`)."""
     def plan(report: EvictionReport, free: int) -> int:
         report.reason = "age"
         return report.scanned_bytes
 
-    return _run(root, now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1)
+    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1)
 
 
-def _run(root: str, now: float | None, dry_run: bool, header_cache: HeaderCache | None,
-         recency: RecencyIndex | None, plan: Callable[[EvictionReport, int], int],
-         min_age_ns: int) -> EvictionReport:
-    """Lock, scan, remove what ``plan`` asks for (blocks at least ``min_age_ns`` old), tidy up."""
+def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache: HeaderCache | None,
+         recency: Sequence[RecencyIndex] | None, plan: Callable[[EvictionReport, int], int],
+         min_age_ns: int) -> list[EvictionReport]:
+    """Lock every root, scan, remove what ``plan`` asks of each root (blocks at least
+    ``min_age_ns`` old), tidy up.
+
+    The locks are tried without waiting, in the pool's order of roots, and the run is skipped
+    unless it holds all of them: never waiting means no deadlock, and the same order for every
+    owner means two of them meet at the first root, where one goes ahead.
+    """
+    if recency is not None and len(recency) != len(roots):
+        raise ValueError(f"{len(recency)} recency index(es) for {len(roots)} root(s)")
     t0 = time.monotonic()
     now = time.time() if now is None else now
-    report = EvictionReport(os.path.abspath(root), dry_run=dry_run)
-    if not os.path.isdir(layout_dir(root)):
-        return report
-    with EvictLock(root) as lock:
-        if not lock.acquire():
-            report.skipped = True
-            return report
-        scan = scan_pool(root)
-        report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
-        report.free_bytes = _free_bytes(root)
-        report.target_bytes = max(0, plan(report, report.free_bytes))
+    reports = [EvictionReport(os.path.abspath(r), dry_run=dry_run) for r in roots]
+    live = [i for i, r in enumerate(roots) if os.path.isdir(layout_dir(r))]
+    if not live:
+        return reports
+    with ExitStack() as held:
+        for i in live:
+            if not held.enter_context(EvictLock(roots[i])).acquire():
+                for report in reports:
+                    report.skipped = True
+                return reports
+        scans = {i: scan_pool(roots[i]) for i in live}
+        for i, scan in scans.items():
+            report = reports[i]
+            report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
+            report.free_bytes = _free_bytes(roots[i])
+            report.target_bytes = max(0, plan(report, report.free_bytes))
+            if not report.target_bytes:
+                report.reason = ""
         removed: set[str] = set()
-        if report.target_bytes:
-            nodes = _graph(scan.blocks, header_cache, report)
-            _apply_recency(nodes, (recency or RecencyIndex(root)).refresh())  # late: sees fresh touches
+        if any(report.target_bytes for report in reports):
             now_ns = int(now * 1e9)
-            report.protected_blocks = sum(1 for n in nodes.values() if now_ns - n.recency < min_age_ns)
-            removed = _peel(nodes, report, now_ns - min_age_ns, dry_run)
-        else:
-            report.reason = ""
+            nodes = _graph(len(roots), scans, header_cache, reports, now_ns)
+            indexes = recency or [RecencyIndex(r) for r in roots]
+            _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
+            newest_ns = now_ns - min_age_ns
+            for n in nodes.values():
+                if n.recency > newest_ns:
+                    reports[n.root].protected_blocks += 1
+            if len(roots) > 1:
+                _mark_ancestor_roots(nodes, newest_ns)
+            removed = _peel(nodes, reports, newest_ns, dry_run)
         if header_cache is not None:
-            for path in set(header_cache) - ({b.path for b in scan.blocks} - removed):
+            kept = {b.path for scan in scans.values() for b in scan.blocks} - removed
+            for path in set(header_cache) - kept:
                 del header_cache[path]
         if not dry_run:
-            report.tmp_removed = sum(1 for p in scan.tmp if _tmp_is_stale(os.path.basename(p), p, now)
-                                     and _unlink_quiet(p))
-            report.quarantine_removed = _expire_quarantine(root, now)
-            _tidy_owners(root, now)
-            report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
-                                                 LOG_FOLD_AGE_S, now)
-    report.duration_s = time.monotonic() - t0
-    if report.target_bytes:
-        log.info("pool %s: %s %d block(s), %d bytes (%s; target %d bytes, %d within the protected age)",
-                 report.root, "would evict" if dry_run else "evicted", report.evicted_blocks,
-                 report.evicted_bytes, report.reason, report.target_bytes, report.protected_blocks)
-    return report
+            for i, scan in scans.items():
+                report, root = reports[i], roots[i]
+                report.tmp_removed = sum(1 for p in scan.tmp if _tmp_is_stale(os.path.basename(p), p, now)
+                                         and _unlink_quiet(p))
+                report.quarantine_removed = _expire_quarantine(root, now)
+                _tidy_owners(root, now)
+                report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
+                                                     LOG_FOLD_AGE_S, now)
+    duration = time.monotonic() - t0
+    for report in reports:
+        report.duration_s = duration
+        if report.target_bytes:
+            log.info("pool %s: %s %d block(s), %d bytes (%s; target %d bytes, %d within the protected age)",
+                     report.root, "would evict" if dry_run else "evicted", report.evicted_blocks,
+                     report.evicted_bytes, report.reason, report.target_bytes, report.protected_blocks)
+    return reports
 
 
-def _graph(blocks: list[BlockFile], cache: HeaderCache | None,
-           report: EvictionReport) -> dict[tuple[str, bytes], _Node]:
-    """Nodes keyed by (fingerprint dir, key) with parent links; a garbage header has no parent."""
-    nodes: dict[tuple[str, bytes], _Node] = {}
-    for b in blocks:
-        hit = cache.get(b.path) if cache is not None else None
-        if hit is not None and hit[0] == (b.ino, b.ctime_ns):
-            created, parent = hit[1], hit[2]
-        else:
-            try:
-                header = read_header(b)
-            except FileNotFoundError:
-                continue
-            except (OSError, FormatError):
-                report.unreadable_headers += 1
-                created, parent = 0, ZERO_KEY
+def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
+           reports: list[EvictionReport], now_ns: int) -> dict[NodeId, _Node]:
+    """Nodes of every root keyed by (fingerprint dir, key), with parent links across roots; a
+    garbage header has no parent.
+
+    A block's recency starts as the newer of its header's ``created_ns`` and its mtime, each
+    clamped to ``now_ns`` and ignored when more than :data:`FUTURE_TOLERANCE_NS` ahead of it.
+    Clamping alone would not do: every run would find such a block as new as its own now.
+    """
+    latest = now_ns + FUTURE_TOLERANCE_NS
+    nodes: dict[NodeId, _Node] = {}
+    for ri, scan in scans.items():
+        report = reports[ri]
+        for b in scan.blocks:
+            hit = cache.get(b.path) if cache is not None else None
+            if hit is not None and hit[0] == (b.ino, b.ctime_ns):
+                created, parent = hit[1], hit[2]
             else:
-                created, parent = header.created_ns, header.parent_key
-                if cache is not None:
-                    cache[b.path] = ((b.ino, b.ctime_ns), created, parent)
-        nodes[(b.fp, b.key)] = _Node(b, max(created, b.mtime_ns),
-                                     None if parent == ZERO_KEY else (b.fp, parent))
+                try:
+                    header = read_header(b)
+                except FileNotFoundError:
+                    continue
+                except (OSError, FormatError):
+                    report.unreadable_headers += 1
+                    created, parent = 0, ZERO_KEY
+                else:
+                    created, parent = header.created_ns, header.parent_key
+                    if cache is not None:
+                        cache[b.path] = ((b.ino, b.ctime_ns), created, parent)
+            published = max(created if created <= latest else 0, b.mtime_ns if b.mtime_ns <= latest else 0)
+            node = _Node(b, min(published, now_ns), None if parent == ZERO_KEY else (b.fp, parent), root=ri)
+            if n_roots > 1 and (b.fp, b.key) in nodes:
+                node = _keep_readable_copy(nodes, node, n_roots)
+            nodes[(b.fp, b.key)] = node
     for n in nodes.values():
         if n.parent is not None:
             if n.parent in nodes:
@@ -298,12 +376,24 @@ def _graph(blocks: list[BlockFile], cache: HeaderCache | None,
     return nodes
 
 
-def _mark_dangling(nodes: dict[tuple[str, bytes], _Node]) -> None:
+def _keep_readable_copy(nodes: dict[NodeId, _Node], node: _Node, n_roots: int) -> _Node:
+    """Of two copies of one key in two roots (the pool's roots were listed differently when one
+    was written), return the copy lookups read (root ``key[0] % n``); the other joins the plan as
+    an orphan of its own, dead weight to remove first."""
+    other = nodes[(node.block.fp, node.block.key)]
+    if node.block.key[0] % n_roots != node.root:
+        node, other = other, node
+    other.parent, other.orphan = None, True
+    nodes[(f"{other.block.fp}@{other.root}", other.block.key)] = other
+    return node
+
+
+def _mark_dangling(nodes: dict[NodeId, _Node]) -> None:
     """Flag blocks cut off from their chain's head: a lookup stops at the first missing block,
     so they are dead weight until someone saves the missing prefix again."""
-    known: dict[tuple[str, bytes], bool] = {}
+    known: dict[NodeId, bool] = {}
     for start in nodes:
-        walk: list[tuple[str, bytes]] = []
+        walk: list[NodeId] = []
         cur = start
         while cur not in known:
             n = nodes[cur]
@@ -320,10 +410,15 @@ def _mark_dangling(nodes: dict[tuple[str, bytes], _Node]) -> None:
         n.dangling = known[k]
 
 
-def _apply_recency(nodes: dict[tuple[str, bytes], _Node], access: dict[bytes, int]) -> None:
-    """Fold logged accesses in, then raise every parent to its newest descendant (leaves up)."""
+def _apply_recency(nodes: dict[NodeId, _Node], access: list[dict[bytes, int]], now_ns: int) -> None:
+    """Fold logged accesses in (``access[i]``: root i's logs, where a key's records go), then raise
+    every parent to its newest descendant (leaves up).  Access times are taken as
+    :func:`_graph` takes publication times: clamped to ``now_ns``, ignored far beyond it."""
+    latest = now_ns + FUTURE_TOLERANCE_NS
     for n in nodes.values():
-        n.recency = max(n.recency, access.get(n.block.key, 0))
+        t = access[n.root].get(n.block.key, 0)
+        if n.recency < t <= latest:
+            n.recency = min(t, now_ns)
     waiting = {k: n.children for k, n in nodes.items()}
     ready = [n for n in nodes.values() if n.children == 0]
     while ready:
@@ -337,25 +432,60 @@ def _apply_recency(nodes: dict[tuple[str, bytes], _Node], access: dict[bytes, in
             ready.append(p)
 
 
-def _peel(nodes: dict[tuple[str, bytes], _Node], report: EvictionReport, newest_ns: int,
+def _mark_ancestor_roots(nodes: dict[NodeId, _Node], newest_ns: int) -> None:
+    """Set ``above``: the roots of the ancestors that removing a block could make evictable, those
+    up to the first one newer than ``newest_ns`` (recency only grows towards the head)."""
+    above: dict[NodeId, int] = {}
+    for start in nodes:
+        walk: list[NodeId] = []
+        on_walk: set[NodeId] = set()
+        cur = start
+        while cur not in above:
+            p = nodes[cur].parent
+            if p is None or cur in on_walk or nodes[p].recency > newest_ns:
+                above[cur] = 0  # a head, a cycle (garbage headers), or a protected parent
+                break
+            walk.append(cur)
+            on_walk.add(cur)
+            cur = p
+        for k in reversed(walk):
+            p = nodes[k].parent
+            above[k] = (1 << nodes[p].root) | above[p]
+    for k, n in nodes.items():
+        n.above = above[k]
+
+
+def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: int,
           dry_run: bool) -> set[str]:
-    """Remove leaves, dangling ones first, then oldest first, until the target is met; a parent
-    becomes a leaf once all its children are gone, and nothing newer than ``newest_ns`` goes."""
+    """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
+    a parent becomes a leaf once all its children are gone, and nothing newer than ``newest_ns``
+    goes.
+
+    A leaf in a root already within its target goes only when an ancestor of it lies in a root
+    still short of its target: a chain's tail in one root is what keeps its head in another
+    from being evicted, and keeping that tail would make the short root evict newer blocks.
+    """
+    short = sum(1 << i for i, r in enumerate(reports) if r.evicted_bytes < r.target_bytes)
     left = {k: n.children for k, n in nodes.items()}
     heap = [(not n.dangling, n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
     heapq.heapify(heap)
     removed: set[str] = set()
-    while heap and report.evicted_bytes < report.target_bytes:
+    while heap and short:
         _, recency, path, k = heapq.heappop(heap)
         if recency > newest_ns:
             continue  # protected, and so its ancestors stay: they never become leaves
         n = nodes[k]
+        if not (short >> n.root) & 1 and not n.above & short:
+            continue  # its root has room, and no root short of room waits for it to go
+        report = reports[n.root]
         if not (dry_run or _unlink_if_same(n.block)):
             report.failed += 1
             continue
         removed.add(path)
         report.evicted_blocks += 1
         report.evicted_bytes += n.block.size
+        if report.evicted_bytes >= report.target_bytes:
+            short &= ~(1 << n.root)
         if n.parent is not None:
             left[n.parent] -= 1
             if left[n.parent] == 0:

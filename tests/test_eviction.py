@@ -1,4 +1,5 @@
-"""Eviction: budget, LRU order, chain tails first, grace, and a lock that survives its holder."""
+"""Eviction: budget, LRU order, chain tails first, grace, a lock that survives its holder, pools of
+several roots planned as one, and clocks that run ahead."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from gds_kv_connector import eviction
 from gds_kv_connector.capacity import CapacityGuard
-from gds_kv_connector.eviction import EvictLock, evict, expire
+from gds_kv_connector.eviction import EvictLock, evict, evict_pool, expire
 from gds_kv_connector.pool import TMP_PREFIX, BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY, BlockHeader
 from gds_kv_connector.pool_scan import quarantine_dir, scan_pool
@@ -281,3 +282,151 @@ def test_blocks_cut_off_from_their_head_go_first(tmp_path):
     touch(tmp_path, {key(9): T0, key(0): T0 + 1, key(2): T0 + 5, key(3): T0 + 6})
     rep = evict(str(tmp_path), quota_bytes=3 * FILE, low_watermark=0.67, min_free_bytes=0, grace_s=1, now=LATER)
     assert rep.evicted_blocks == 2 and present(tmp_path) == {key(0), key(9)}
+
+
+# -- several roots: a key lives under root key[0] % 2 here, so a chain's blocks are spread over both --
+def rkey(root: int, i: int) -> bytes:
+    return bytes([0xA0 + root]) + i.to_bytes(31, "big")
+
+
+def two_roots(tmp_path) -> tuple[BlockPool, list[str]]:
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    for r in roots:
+        os.mkdir(r)
+    return BlockPool(tuple(roots), b"\x11" * 32, PAYLOAD, 4, geometry_note="test"), roots
+
+
+def touch_pool(roots: list[str], stamps: dict[bytes, int]) -> None:
+    rl = RecencyLog(tuple(roots), "tester", flush_interval_s=0)  # each record goes to its key's root
+    for k, ts in stamps.items():
+        rl.touch([k], ts)
+    rl.close()
+
+
+def record_unlinks(monkeypatch) -> list[bytes]:
+    order: list[bytes] = []
+    real = eviction._unlink_if_same
+
+    def unlink(block):
+        order.append(block.key)
+        return real(block)
+    monkeypatch.setattr(eviction, "_unlink_if_same", unlink)
+    return order
+
+
+def test_chains_across_roots_are_planned_as_one_pool(tmp_path, monkeypatch):
+    pool, roots = two_roots(tmp_path)
+    hot_head, hot_tail, cold_head, cold_tail = rkey(0, 1), rkey(1, 1), rkey(0, 2), rkey(1, 2)
+    for head, tail in ((hot_head, hot_tail), (cold_head, cold_tail)):
+        put(pool, head)
+        put(pool, tail, parent=head)
+    # the hot head was itself read long ago: it is as recent as its tail, which lives in root 1
+    touch_pool(roots, {hot_head: T0, cold_head: T0 + 2, cold_tail: T0 + 3, hot_tail: T0 + 100})
+    order = record_unlinks(monkeypatch)
+    reports = evict_pool(roots, quota_bytes=2 * FILE - 8, low_watermark=0.75, min_free_bytes=0, grace_s=1,
+                         now=LATER)
+    assert [(r.target_bytes > 0, r.evicted_blocks, r.reached_target) for r in reports] == [(True, 1, True)] * 2
+    assert order == [cold_tail, cold_head]  # tail first, though it lives in the other root
+    assert present(roots[0]) == {hot_head} and present(roots[1]) == {hot_tail}
+
+
+def test_parent_in_another_root_does_not_make_a_block_dangling(tmp_path):
+    pool, roots = two_roots(tmp_path)
+    head, tail, lone = rkey(0, 1), rkey(1, 1), rkey(1, 2)
+    put(pool, head)
+    put(pool, tail, parent=head)
+    put(pool, lone)
+    touch_pool(roots, {head: T0 + 100, tail: T0 + 100, lone: T0})
+    reports = evict_pool(roots, quota_bytes=2 * FILE - 8, low_watermark=0.75, min_free_bytes=0, grace_s=1,
+                         now=LATER)
+    assert reports[0].target_bytes == 0 and reports[1].evicted_blocks == 1
+    assert present(roots[0]) == {head} and present(roots[1]) == {tail}  # the cold block went, not the tail
+
+
+def test_root_within_budget_gives_up_a_tail_only_to_uncover_an_older_head(tmp_path, monkeypatch):
+    pool, roots = two_roots(tmp_path)
+    hot_head, hot_tail, cold_head, cold_tail = rkey(0, 1), rkey(1, 1), rkey(0, 2), rkey(1, 2)
+    busy, busier, lone = rkey(0, 3), rkey(0, 4), rkey(1, 3)
+    for head, tail in ((hot_head, hot_tail), (cold_head, cold_tail)):
+        put(pool, head)
+        put(pool, tail, parent=head)
+    for k in (busy, busier, lone):
+        put(pool, k)
+    touch_pool(roots, {lone: T0 - 1, hot_head: T0, cold_head: T0 + 2, cold_tail: T0 + 3, hot_tail: T0 + 100,
+                       busy: T0 + 200, busier: T0 + 300})
+    order = record_unlinks(monkeypatch)
+    # root 0 (4 blocks) must free one; root 1 (3 blocks) is within its budget
+    reports = evict_pool(roots, quota_bytes=int(3.5 * FILE), low_watermark=0.9, min_free_bytes=0, grace_s=1,
+                         now=LATER)
+    assert reports[0].reached_target and reports[1].target_bytes == 0
+    assert order == [cold_tail, cold_head]  # not the hot head, and not its own coldest block (lone)
+    assert present(roots[0]) == {hot_head, busy, busier} and present(roots[1]) == {hot_tail, lone}
+    assert [r.evicted_blocks for r in reports] == [1, 1]
+
+
+def test_pool_run_takes_every_root_lock_or_none(tmp_path):
+    pool, roots = two_roots(tmp_path)
+    put(pool, rkey(0, 1))
+    put(pool, rkey(1, 1))
+    with EvictLock(roots[1]) as holder:
+        assert holder.acquire()
+        reports = evict_pool(roots, 1, 0.5, 0, 1, now=LATER)
+        assert all(r.skipped for r in reports) and present(roots[0]) == {rkey(0, 1)}
+        with EvictLock(roots[0]) as first:
+            assert first.acquire()  # the skipped run let go of the lock it did get
+    assert [r.evicted_blocks for r in evict_pool(roots, 1, 0.5, 0, 1, now=LATER)] == [1, 1]
+
+
+def test_copy_of_a_key_in_the_wrong_root_goes_first(tmp_path):
+    pool, roots = two_roots(tmp_path)
+    k, cold = rkey(0, 1), rkey(1, 2)
+    put(pool, k)
+    put(pool, cold)
+    # written while the pool had root 1 alone: no lookup reads it now that k belongs to root 0
+    put(BlockPool((roots[1],), pool.fingerprint, PAYLOAD, 4), k, created_ns=T0 + 100)
+    touch_pool(roots, {k: T0 + 100, cold: T0})
+    reports = evict_pool(roots, quota_bytes=2 * FILE - 8, low_watermark=0.75, min_free_bytes=0, grace_s=1,
+                         now=LATER)
+    assert reports[1].evicted_blocks == 1 and present(roots[1]) == {cold}
+    assert present(roots[0]) == {k}
+
+
+def test_times_from_a_clock_far_ahead_protect_nothing(tmp_path):
+    pool = make_pool(tmp_path)
+    now_ns = int(LATER * 1e9)
+    decade = 10 * 365 * 86_400 * 10**9
+    put(pool, key(0))
+    put(pool, key(1), parent=key(0), created_ns=now_ns + decade)  # its writer's clock is ten years ahead
+    put(pool, key(2))
+    os.utime(pool.path_for(key(2)), ns=(1, now_ns + decade))
+    put(pool, key(3), created_ns=now_ns + 60 * 10**9)  # a minute ahead: as new as now
+    rep = evict(str(tmp_path), quota_bytes=1, low_watermark=0.5, min_free_bytes=0, grace_s=30, now=LATER)
+    assert present(tmp_path) == {key(3)} and rep.protected_blocks == 1
+    # ...and only until that minute has passed, not for as long as the clock stays ahead
+    assert expire(str(tmp_path), max_age_s=60, now=LATER + 200).evicted_blocks == 1
+
+
+def test_capacity_guard_runs_one_eviction_over_every_root(tmp_path, monkeypatch):
+    """The serving process's evictor plans a multi-root pool as one: a cold chain whose tail lives in
+    the other root goes tail first, and the hot head, as recent as its tail in root 1, stays (per
+    root, root 0 saw an old head without descendants and removed it)."""
+    from gds_kv_connector import capacity
+
+    pool, roots = two_roots(tmp_path)
+    hot_head, hot_tail, cold_head, cold_tail = rkey(0, 1), rkey(1, 1), rkey(0, 2), rkey(1, 2)
+    for head, tail in ((hot_head, hot_tail), (cold_head, cold_tail)):
+        put(pool, head)
+        put(pool, tail, parent=head)
+    touch_pool(roots, {hot_head: T0, cold_head: T0 + 2, cold_tail: T0 + 3, hot_tail: T0 + 100})
+    real = capacity.evict_pool
+    monkeypatch.setattr(capacity, "evict_pool", lambda *a, **kw: real(*a, now=LATER, **kw))
+    order = record_unlinks(monkeypatch)
+    guard = CapacityGuard(roots, quota_bytes=2 * FILE - 8, low_watermark=0.75, min_free_bytes=0, grace_s=1,
+                          check_interval_s=3600)
+    try:
+        assert guard.check_now(timeout=10)
+        assert [r.evicted_blocks for r in guard.last_reports] == [1, 1]
+        assert order == [cold_tail, cold_head]
+        assert present(roots[0]) == {hot_head} and present(roots[1]) == {hot_tail}
+    finally:
+        guard.close()
