@@ -302,6 +302,8 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             nodes = _graph(len(roots), scans, header_cache, reports, now_ns)
             indexes = recency or [RecencyIndex(r) for r in roots]
             _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
+            for i, scan in scans.items():  # a long-lived index forgets blocks gone before this scan
+                indexes[i].retain((b.key for b in scan.blocks), now_ns)
             newest_ns = now_ns - min_age_ns
             for n in nodes.values():
                 if n.recency > newest_ns:

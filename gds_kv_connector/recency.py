@@ -11,7 +11,14 @@ The executor thread only appends to an in-memory deque (:meth:`RecencyLog.touch`
 thread writes batches.  A touch therefore protects a block from eviction only once flushed, so
 the flush interval must stay far below the eviction grace, and the touch of a block just promised
 to a request (:meth:`RecencyLog.promise`) wakes the flusher at once: until it is written, another
-owner's evictor may remove the block whose load is about to start.
+owner's evictor may remove the block whose load is about to start.  A write that fails (the disk
+is full exactly when eviction runs) leaves its records queued for the next flush, within
+:data:`MAX_PENDING_BATCHES`.
+
+Idle logs are folded into one archive by the evictor (:func:`fold_stale_logs`), which renames
+a log to a private ``<name>.fold-...`` before reading it; readers still merge such a file until
+the fold unlinks it, and an owner checks after each write that its file still has its name, so a
+record written while its log is being folded is written again to a new log instead of being lost.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 RECORD = struct.Struct("<32sQ")
 ACCESS_SUFFIX = ".access"
 ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
+FOLD_MARK = ".fold-"  # <owner>.access.fold-<host>-<pid>-<hex>: a log taken by a fold, still read
 MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
 MAX_PENDING_BATCHES = 1 << 16  # touches kept while the filesystem does not accept writes
 _EPOCH_2020_NS = 1_577_836_800 * 10**9
@@ -64,8 +72,10 @@ class RecencyLog:
             raise ValueError("RecencyLog needs at least one pool root")
         self.owner_id = owner_id or default_owner_id()
         self.max_log_bytes = max_log_bytes
-        self.dropped = 0  # touches lost to a full backlog or a failed write
-        self._pending: deque[tuple[int, Sequence[bytes]]] = deque(maxlen=MAX_PENDING_BATCHES)
+        self.dropped = 0  # touches lost to a full backlog (failed writes stay queued until it is full)
+        self._pending: deque[tuple[int, Sequence[bytes]]] = deque()
+        self._pending_lock = threading.Lock()  # never held across I/O: the executor thread takes it
+        self._failing = [False] * len(self.roots)  # the last write to that root's log failed
         self._logs = [_OwnerLog(os.path.join(owners_dir(r), self.owner_id + ACCESS_SUFFIX)) for r in self.roots]
         with _OPEN_LOCK:
             clash = [lg.path for lg in self._logs if lg.path in _OPEN_PATHS]
@@ -100,13 +110,16 @@ class RecencyLog:
     def touch(self, keys: Sequence[bytes], now_ns: int | None = None) -> None:
         """Record an access to ``keys``; the sequence is kept as is, so do not mutate it later.
 
-        Only a deque append, so it is safe on the executor thread; if flushes fail for long
-        enough the oldest batches are dropped rather than letting memory grow.
+        Only a deque append (under a lock that is never held across I/O), so it is safe on the
+        executor thread; if flushes fail for long enough the oldest batches are dropped rather
+        than letting memory grow.
         """
         if keys:
-            if len(self._pending) == MAX_PENDING_BATCHES:
-                self.dropped += len(self._pending[0][1])
-            self._pending.append((now_ns or time.time_ns(), keys))
+            batch = (now_ns or time.time_ns(), keys)
+            with self._pending_lock:
+                if len(self._pending) >= MAX_PENDING_BATCHES:
+                    self.dropped += len(self._pending.popleft()[1])
+                self._pending.append(batch)
 
     def promise(self, keys: Sequence[bytes]) -> None:
         """:meth:`touch` for blocks just promised to a request, written by the flusher now rather
@@ -115,32 +128,74 @@ class RecencyLog:
         if self._thread is not None and not self._wake.is_set():
             self._wake.set()
 
+    @property
+    def failing(self) -> bool:
+        """Whether the last flush left records queued because a log could not be written."""
+        return any(self._failing)
+
     def flush(self) -> int:
-        """Write pending touches; returns the number of records written."""
+        """Write pending touches; returns the number of records written.
+
+        A root whose write fails gets its records back at the front of the queue for the next
+        flush, not dropped: the write fails when the disk is full, which is when eviction runs,
+        and a lost promise would let it remove the promised block.  Only the queue's bound drops
+        records, oldest first.
+        """
         with self._flush_lock:
+            with self._pending_lock:
+                batches, self._pending = self._pending, deque()
+            if not batches:
+                return 0
             per_root: list[list[bytes]] = [[] for _ in self.roots]
             n_roots = len(self.roots)
-            while True:
-                try:
-                    ts, keys = self._pending.popleft()
-                except IndexError:
-                    break
+            for ts, keys in batches:
                 for key in keys:
                     per_root[key[0] % n_roots].append(RECORD.pack(key, ts))
             written = 0
-            for owner_log, records in zip(self._logs, per_root):
+            failed: set[int] = set()
+            for i, (owner_log, records) in enumerate(zip(self._logs, per_root)):
                 if not records:
                     continue
                 try:
                     owner_log.append(b"".join(records))
-                    written += len(records)
-                    if owner_log.size > self.max_log_bytes:
-                        owner_log.compact(self.max_log_bytes // 2)
                 except OSError as exc:
-                    self.dropped += len(records)
-                    log.warning("could not write access log %s (%s); %d touch(es) lost",
-                                owner_log.path, exc, len(records))
+                    failed.add(i)
+                    if not self._failing[i]:  # once per failing spell, not once per flush
+                        log.warning("could not write access log %s (%s); its touches stay queued and "
+                                    "are retried at each flush", owner_log.path, exc)
+                    self._failing[i] = True
+                    continue
+                written += len(records)
+                if self._failing[i]:
+                    self._failing[i] = False
+                    log.info("access log %s is written again", owner_log.path)
+                if owner_log.size > self.max_log_bytes:
+                    try:
+                        owner_log.compact(self.max_log_bytes // 2)
+                    except OSError as exc:  # the records are written: only the size stays over
+                        log.warning("could not compact access log %s (%s)", owner_log.path, exc)
+            if failed:
+                self._requeue(batches, failed)
             return written
+
+    def _requeue(self, batches: deque[tuple[int, Sequence[bytes]]], failed: set[int]) -> None:
+        """Put the failed roots' records back before any touch made meanwhile, within the bound."""
+        n_roots = len(self.roots)
+        back: list[tuple[int, Sequence[bytes]]]
+        if n_roots == 1:
+            back = list(batches)
+        else:
+            back = []
+            for ts, keys in batches:
+                kept = [k for k in keys if k[0] % n_roots in failed]
+                if kept:
+                    back.append((ts, kept))
+        with self._pending_lock:
+            cut = len(back) - max(0, MAX_PENDING_BATCHES - len(self._pending))
+            if cut > 0:  # the oldest go, as when touch() finds the queue full
+                self.dropped += sum(len(keys) for _, keys in back[:cut])
+                back = back[cut:]
+            self._pending.extendleft(reversed(back))
 
     def close(self) -> None:
         """Stop the flusher and write what is pending; the log stays for other owners to read."""
@@ -149,6 +204,12 @@ class RecencyLog:
         if self._thread is not None:
             self._thread.join()
         self.flush()
+        with self._pending_lock:
+            lost = sum(len(keys) for _, keys in self._pending)
+            self._pending.clear()
+            self.dropped += lost
+        if lost:
+            log.warning("access log of %s closed with %d touch(es) it could not write", self.owner_id, lost)
         for owner_log in self._logs:
             owner_log.close()
         with _OPEN_LOCK:
@@ -157,19 +218,30 @@ class RecencyLog:
                 del _SHARED[k]
 
     def _run(self, interval: float) -> None:
+        retry_at = 0.0
         while True:
             self._wake.wait(interval)
-            self._wake.clear()
             if self._stop.is_set():
                 return  # close() writes what is left
+            pause = retry_at - time.monotonic()
+            if pause > 0 and self._stop.wait(pause):  # a failing log is retried once per interval,
+                return                                # not once per promise
+            self._wake.clear()
             try:
                 self.flush()
             except Exception:  # noqa: BLE001 - the flusher must outlive one bad flush
                 log.exception("access log flush failed")
+            retry_at = time.monotonic() + interval if self.failing else 0.0
 
 
 class _OwnerLog:
-    """One append-only file with a single writer; positional writes make retries idempotent."""
+    """One append-only file with a single writer; positional writes make retries idempotent.
+
+    After each write it checks that the path still names its file: a fold renames an idle log
+    away before reading it, and a record that landed in the renamed file may have come after
+    the fold read it, so it is written again to a new log (a duplicate is harmless: readers keep
+    the newest time per key).  That costs a stat and an fstat per flush and root.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -177,17 +249,21 @@ class _OwnerLog:
         self.size = 0
 
     def append(self, data: bytes) -> None:
-        for attempt in (0, 1):
-            if self.fd < 0 or self._unlinked():
+        for _ in range(3):
+            if self.fd < 0:
                 self._open()
             try:
                 _pwrite_all(self.fd, data, self.size)
-                self.size += len(data)
-                return
             except OSError as exc:
-                if attempt or exc.errno != errno.ESTALE:
+                if exc.errno != errno.ESTALE:
                     raise
                 self.close()  # an evictor folded this log away on another node: start a new one
+                continue
+            self.size += len(data)
+            if self._at_path():
+                return
+            self.close()  # folded (renamed or unlinked) under us: write it again to a new log
+        raise OSError(errno.ESTALE, f"access log {self.path} keeps being replaced")
 
     def compact(self, target_bytes: int) -> None:
         """Rewrite the log as one record per key, newest keys first if still too large."""
@@ -201,11 +277,14 @@ class _OwnerLog:
             os.close(self.fd)
             self.fd = -1
 
-    def _unlinked(self) -> bool:
+    def _at_path(self) -> bool:
+        """Whether the open file is still the one named :attr:`path`."""
         try:
-            return os.fstat(self.fd).st_nlink == 0
+            mine = os.fstat(self.fd)
+            named = os.stat(self.path, follow_symlinks=False)
         except OSError:
-            return True
+            return False
+        return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino) and mine.st_nlink > 0
 
     def _open(self) -> None:
         self.close()
@@ -219,7 +298,10 @@ class RecencyIndex:
     """Merged recency of every owner's log in one root, refreshed incrementally.
 
     Keeps each log's identity and read offset so a refresh reads only appended bytes; a log
-    replaced by compaction (new inode, or shorter) is read again from the start.
+    replaced by compaction (new inode, or shorter) is read again from the start.  A log gone from
+    the directory is forgotten at the next refresh, and the keys of blocks gone from the pool
+    when the evictor passes its scan to :meth:`retain`, so a long-lived index stays as large as
+    the pool and its logs, not as everything the pool ever held.
     """
 
     def __init__(self, root: str) -> None:
@@ -229,9 +311,12 @@ class RecencyIndex:
 
     def refresh(self) -> dict[bytes, int]:
         try:
-            names = [n for n in os.listdir(self.dir) if n.endswith(ACCESS_SUFFIX)]
+            names = [n for n in os.listdir(self.dir) if _is_log(n)]
         except FileNotFoundError:
+            self._offsets.clear()
             return self.latest
+        for gone in self._offsets.keys() - set(names):
+            del self._offsets[gone]
         for name in names:
             path = os.path.join(self.dir, name)
             try:
@@ -253,6 +338,24 @@ class RecencyIndex:
             self._offsets[name] = (st.st_ino, done + len(data))
             merge_records(data, self.latest)
         return self.latest
+
+    def retain(self, live_keys: Iterable[bytes], scanned_ns: int | None = None) -> int:
+        """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.
+
+        A key touched at or after ``scanned_ns`` (when that scan began) stays, since its block
+        may have been published after the scan; it goes at the next call if it is still absent.
+        Forgetting is safe otherwise: a block saved again under a forgotten key is newer than any
+        touch forgotten (its mtime is its publication), and records already consumed are not read
+        again, so a forgotten key does not come back.
+        """
+        live = live_keys if isinstance(live_keys, (set, frozenset, dict)) else set(live_keys)
+        before = len(self.latest)
+        # a new dict: deleting in place would keep the table at its largest size
+        if scanned_ns is None:
+            self.latest = {k: t for k, t in self.latest.items() if k in live}
+        else:
+            self.latest = {k: t for k, t in self.latest.items() if k in live or t >= scanned_ns}
+        return before - len(self.latest)
 
 
 def load_recency(root: str) -> dict[bytes, int]:
@@ -280,35 +383,50 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, 
     """Merge logs untouched for ``older_than_s`` into one archive log, keeping only live keys.
 
     Every process start creates a new log, so without this the owners directory grows for
-    ever.  Must run under the eviction lock (one archiver at a time).  An idle but live owner
-    whose log is folded notices the unlink on its next flush and starts a new file.  Returns
-    the number of logs folded.
+    ever.  Must run under the eviction lock (one archiver at a time).  A stale log is renamed
+    to a private name before it is read: an idle but live owner that writes to it meanwhile
+    sees on that write that its file lost its name and writes the records again to a new log,
+    so nothing it writes after the read is unlinked with it.  Readers merge the private file
+    too until it is unlinked, and a fold that dies or fails (a full disk) before the unlink
+    leaves it for the next fold to take.  Returns the number of logs folded.
     """
     d = owners_dir(root)
     now = time.time() if now is None else now
-    stale: list[str] = []
+    taken: list[str] = []
     for name in _listdir(d):
+        path = os.path.join(d, name)
+        if ACCESS_SUFFIX + FOLD_MARK in name:
+            taken.append(path)  # left by a fold that died before its unlink
+            continue
         if not name.endswith(ACCESS_SUFFIX) or name == ARCHIVE_NAME:
             continue
+        private = f"{path}{FOLD_MARK}{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            if now - os.stat(os.path.join(d, name), follow_symlinks=False).st_mtime > older_than_s:
-                stale.append(name)
+            if now - os.stat(path, follow_symlinks=False).st_mtime <= older_than_s:
+                continue
+            os.rename(path, private)
         except FileNotFoundError:
-            pass
+            continue
+        taken.append(private)
     archive = os.path.join(d, ARCHIVE_NAME)
-    if not stale and not os.path.exists(archive):
+    if not taken and not os.path.exists(archive):
         return 0
     latest = merge_records(_read_file(archive))
-    for name in stale:
-        merge_records(_read_file(os.path.join(d, name)), latest)
+    for path in taken:
+        merge_records(_read_file(path), latest)
     live = set(live_keys)
     _atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in latest.items() if k in live))
-    for name in stale:
+    for path in taken:
         try:
-            os.unlink(os.path.join(d, name))
+            os.unlink(path)
         except FileNotFoundError:
             pass
-    return len(stale)
+    return len(taken)
+
+
+def _is_log(name: str) -> bool:
+    """An owner's log, the archive, or a log taken by a fold that has not unlinked it yet."""
+    return name.endswith(ACCESS_SUFFIX) or ACCESS_SUFFIX + FOLD_MARK in name
 
 
 def _listdir(d: str) -> list[str]:

@@ -430,3 +430,24 @@ def test_capacity_guard_runs_one_eviction_over_every_root(tmp_path, monkeypatch)
         assert present(roots[0]) == {hot_head} and present(roots[1]) == {hot_tail}
     finally:
         guard.close()
+
+
+def test_a_long_lived_recency_index_forgets_evicted_blocks(tmp_path):
+    """The serving evictor keeps one RecencyIndex per root for the process's life: it holds the
+    keys of the blocks a run scanned (and touches newer than the scan), not every key any owner
+    ever touched (a new owner per round, as restarts make, and logs folded away)."""
+    from gds_kv_connector.recency import RecencyIndex
+
+    pool = make_pool(tmp_path)
+    index = RecencyIndex(str(tmp_path))
+    for rnd in range(5):
+        keys = [key(100 * rnd + i) for i in range(20)]
+        for k in keys:
+            put(pool, k)
+        rl = RecencyLog(str(tmp_path), f"owner-{rnd}", flush_interval_s=0)
+        rl.touch(keys, T0 + rnd)
+        rl.close()
+        rep = evict(str(tmp_path), 5 * FILE, 0.5, 0, 1, now=LATER, recency=index)
+        assert rep.evicted_blocks > 0
+        assert len(index.latest) <= rep.scanned_blocks
+    assert len(index.latest) < 40  # 100 keys were touched over the rounds

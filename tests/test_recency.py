@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 
+from gds_kv_connector import recency
 from gds_kv_connector.pool_scan import owners_dir
 from gds_kv_connector.recency import (ARCHIVE_NAME, RECORD, RecencyIndex, RecencyLog, fold_stale_logs,
-                                      load_recency)
+                                      load_recency, merge_records)
 
 NOW = time.time_ns()
 
@@ -155,3 +158,198 @@ def test_one_log_per_process_and_owner(tmp_path):
         shared.close()
     assert RecencyLog.for_process(str(tmp_path)) is not shared
     RecencyLog.for_process(str(tmp_path)).close()
+
+
+def _failing_writes(monkeypatch, errno_: int = errno.ENOSPC, times: int | None = None,
+                    only_fd: Callable[[], int] | None = None, during: Callable[[], None] | None = None) -> list[int]:
+    """Make access-log writes fail with ``errno_`` (``times`` times, or always; only to the fd
+    ``only_fd()`` if given), calling ``during`` inside each failing write; returns the attempts."""
+    real = recency._pwrite_all
+    attempts: list[int] = []
+
+    def pwrite(fd: int, data: bytes, offset: int) -> None:
+        if only_fd is not None and fd != only_fd():
+            return real(fd, data, offset)
+        attempts.append(len(data) // RECORD.size)
+        if times is not None and len(attempts) > times:
+            return real(fd, data, offset)
+        if during is not None:
+            during()
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(recency, "_pwrite_all", pwrite)
+    return attempts
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EIO])
+def test_a_failed_write_keeps_its_touches_for_the_next_flush(tmp_path, monkeypatch, errno_):
+    """The disk is full exactly when eviction runs: a promise lost to a failed write would let the
+    evictor remove the block whose load is about to start."""
+    rl = RecencyLog(str(tmp_path), "a", flush_interval_s=0)
+    _failing_writes(monkeypatch, errno_, times=1)
+    rl.touch([key(1)], NOW)
+    rl.promise([key(2)])
+    assert rl.flush() == 0
+    assert load_recency(str(tmp_path)) == {}
+    rl.touch([key(3)], NOW + 1)
+    assert rl.flush() == 3
+    assert set(load_recency(str(tmp_path))) == {key(1), key(2), key(3)}
+    assert rl.dropped == 0
+    rl.close()
+
+
+def test_a_failing_log_keeps_its_newest_touches_within_the_bound(tmp_path, monkeypatch):
+    """Records put back go before the touches made during the failed write, and the bound drops
+    the oldest of all, so memory stays bounded however long the filesystem refuses writes."""
+    monkeypatch.setattr(recency, "MAX_PENDING_BATCHES", 4)
+    rl = RecencyLog(str(tmp_path), "a", flush_interval_s=0)
+    meanwhile = [4, 5]
+
+    def executor_touches() -> None:  # the executor thread goes on during the failed write
+        while meanwhile:
+            i = meanwhile.pop(0)
+            rl.touch([key(i)], NOW + i)
+
+    _failing_writes(monkeypatch, during=executor_touches)
+    for i in (1, 2, 3):
+        rl.touch([key(i)], NOW + i)
+    assert rl.flush() == 0
+    assert [ks for _, ks in rl._pending] == [[key(2)], [key(3)], [key(4)], [key(5)]]
+    assert rl.dropped == 1  # key 1, the oldest, made room
+    for i in range(6, 20):
+        rl.touch([key(i)], NOW + i)
+        rl.flush()
+        assert len(rl._pending) == 4
+    assert rl.dropped == 15
+    monkeypatch.undo()  # the disk has room again
+    assert rl.flush() == 4
+    assert load_recency(str(tmp_path)) == {key(i): NOW + i for i in range(16, 20)}
+    rl.close()
+
+
+def test_only_the_failing_roots_records_are_kept(tmp_path):
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    rl = RecencyLog(roots, "a", flush_interval_s=0)
+    k0, k1 = key(0x10), bytes([1]) + bytes(31)
+    rl.touch([k1], NOW)
+    rl.flush()  # opens root 1's log
+    with pytest.MonkeyPatch.context() as mp:
+        _failing_writes(mp, only_fd=lambda: rl._logs[0].fd)
+        rl.touch([k0, k1], NOW + 1)
+        assert rl.flush() == 1  # root 1 written, root 0 kept
+    assert load_recency(roots[1]) == {k1: NOW + 1} and load_recency(roots[0]) == {}
+    assert rl.flush() == 1  # only root 0's record: root 1's is not written twice
+    assert load_recency(roots[0]) == {k0: NOW + 1}
+    assert os.path.getsize(os.path.join(owners_dir(roots[1]), "a.access")) == 2 * RECORD.size
+    assert rl.dropped == 0
+    rl.close()
+
+
+def test_a_failing_log_is_retried_once_per_interval_not_once_per_promise(tmp_path, monkeypatch):
+    """Each retry writes the whole backlog: retried at every promise, a full disk would keep the
+    flusher busy rewriting it."""
+    interval = 0.2
+    attempts = _failing_writes(monkeypatch)
+    rl = RecencyLog(str(tmp_path), "a", flush_interval_s=interval)
+    try:
+        t0 = time.monotonic()
+        for i in range(40):
+            rl.promise([key(i)])
+            time.sleep(0.005)
+        elapsed = time.monotonic() - t0
+        assert len(attempts) <= elapsed / interval + 2
+    finally:
+        rl.close()
+    assert attempts and rl.dropped == 40  # close() could not write them either, and counts them
+
+
+def test_a_log_renamed_away_is_written_again_under_its_name(tmp_path):
+    """A fold renames an idle log before reading it: a record that lands in the renamed file may
+    come after the read, so the owner writes it again to a new log with the old name."""
+    rl = RecencyLog(str(tmp_path), "a", flush_interval_s=0)
+    rl.touch([key(1)], NOW)
+    rl.flush()
+    path = os.path.join(owners_dir(str(tmp_path)), "a.access")
+    os.rename(path, path + ".fold-elsewhere")  # as fold_stale_logs does
+    rl.touch([key(2)], NOW + 1)
+    assert rl.flush() == 1
+    with open(path, "rb") as fh:
+        assert merge_records(fh.read()) == {key(2): NOW + 1}
+    rl.close()
+
+
+def test_a_promise_written_while_its_log_is_folded_is_not_lost(tmp_path, monkeypatch):
+    """The fold reads an idle log, writes the archive, then unlinks the log: a promise its live
+    owner writes in between must still reach every evictor."""
+    root = str(tmp_path)
+    idle = RecencyLog(root, "idle", flush_interval_s=0)
+    idle.touch([key(1)], NOW - 7200 * 10**9)
+    idle.flush()
+    os.utime(os.path.join(owners_dir(root), "idle.access"), (time.time() - 7200,) * 2)
+    real = recency._atomic_write
+
+    def archive_write(path: str, data: bytes) -> None:
+        idle.promise([key(2)])
+        assert idle.flush() == 1
+        real(path, data)
+
+    monkeypatch.setattr(recency, "_atomic_write", archive_write)
+    assert fold_stale_logs(root, [key(1), key(2)], older_than_s=3600) == 1
+    assert key(2) in load_recency(root)
+    assert sorted(os.listdir(owners_dir(root))) == [ARCHIVE_NAME, "idle.access"]
+    idle.close()
+
+
+def test_a_log_taken_by_a_failed_fold_stays_visible_until_the_next_fold(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    dead = RecencyLog(root, "dead", flush_interval_s=0)
+    dead.touch([key(1), key(2)], NOW)
+    dead.close()
+    os.utime(os.path.join(owners_dir(root), "dead.access"), (time.time() - 7200,) * 2)
+
+    def disk_full(path: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recency, "_atomic_write", disk_full)
+        with pytest.raises(OSError):
+            fold_stale_logs(root, [key(1)], older_than_s=3600)
+    assert [n for n in os.listdir(owners_dir(root)) if not n.startswith("dead.access.fold-")] == []
+    assert load_recency(root) == {key(1): NOW, key(2): NOW}  # still read under its private name
+    assert fold_stale_logs(root, [key(1)], older_than_s=3600) == 1  # the next fold takes it
+    assert sorted(os.listdir(owners_dir(root))) == [ARCHIVE_NAME]
+    assert load_recency(root) == {key(1): NOW}
+
+
+def test_index_forgets_logs_that_are_gone(tmp_path):
+    root = str(tmp_path)
+    for owner in ("a", "b"):
+        rl = RecencyLog(root, owner, flush_interval_s=0)
+        rl.touch([key(1)], NOW)
+        rl.close()
+    idx = RecencyIndex(root)
+    idx.refresh()
+    assert set(idx._offsets) == {"a.access", "b.access"}
+    os.unlink(os.path.join(owners_dir(root), "a.access"))
+    idx.refresh()
+    assert set(idx._offsets) == {"b.access"}
+
+
+def test_index_retains_only_live_keys_and_touches_after_the_scan(tmp_path):
+    """A long-lived evictor's index must not hold every key the pool ever saw; a key touched
+    after the scan may be a block published after it, so it waits for the next scan."""
+    root = str(tmp_path)
+    rl = RecencyLog(root, "a", flush_interval_s=0)
+    rl.touch([key(1), key(2), key(3)], NOW)
+    rl.touch([key(4)], NOW + 20)
+    rl.flush()
+    idx = RecencyIndex(root)
+    idx.refresh()
+    assert idx.retain(iter([key(1), key(9)]), scanned_ns=NOW + 10) == 2
+    assert idx.latest == {key(1): NOW, key(4): NOW + 20}
+    rl.touch([key(5)], NOW + 30)
+    rl.flush()
+    assert idx.refresh() == {key(1): NOW, key(4): NOW + 20, key(5): NOW + 30}  # 2 and 3 stay forgotten
+    assert idx.retain({key(1), key(5)}) == 1
+    assert idx.refresh() == {key(1): NOW, key(5): NOW + 30}
+    rl.close()
