@@ -39,6 +39,16 @@ OWNERS_DIR = "owners"
 TMP_PREFIX = ".tmp-"
 BLOCK_SUFFIX = ".blk"
 STALE_FOREIGN_TMP_S = 3600.0
+# A temporary file changed this recently is never stale, whatever its pid says: a pid in the name
+# means nothing outside the writer's pid namespace (a sidecar, ``kubectl exec``, a hostNetwork pod or
+# the node itself shares the host name but not the pids), so ``kill(pid, 0)`` there fails for a live
+# writer.  A writer holds its temporary file for one transfer batch, bounded by the connector's
+# deadline (TLLM_GDS_KV_DEADLINE_S, 60 s by default), and every write renews the mtime: ten times
+# that default leaves room for slow storage and for clock differences between a node and its
+# file server.
+TMP_YOUNG_S = 600.0
+# pid_t is a C int: a larger number in a temporary file's name was not written by a process
+_PID_MAX = 2**31 - 1
 KEY_LEN = 32
 # From this many blocks a prompt is keyed and stat'ed in one call (match_chain): the length from
 # which chain_keys already hashes on a second thread (CHAIN_PIPELINE_BLOCKS in csrc/native.c).
@@ -553,10 +563,11 @@ class BlockPool:
                 log.warning("could not remove temporary file %s: %s", tmp, exc)
 
     # -- maintenance ------------------------------------------------------------------------------
-    def cleanup_stale_tmp(self) -> int:
-        """Remove temporary files of dead local processes, and foreign ones older than an hour."""
+    def cleanup_stale_tmp(self, now: float | None = None) -> int:
+        """Remove temporary files that no writer can still be publishing (:func:`_tmp_is_stale`);
+        ``now`` (wall-clock seconds) is for tests."""
         removed = 0
-        now = time.time()
+        now = time.time() if now is None else now
         for fp_dir in self.fp_dirs:
             for sub in _listdir(fp_dir):
                 d = os.path.join(fp_dir, sub)
@@ -649,30 +660,61 @@ def _listdir(d: str) -> list[str]:
 
 
 def _tmp_is_stale(name: str, path: str, now: float) -> bool:
-    parts = name[len(TMP_PREFIX):].split("-")
-    if len(parts) != 4:
-        return _older_than(path, now, STALE_FOREIGN_TMP_S)
-    _key, host, pid, _rand = parts
-    if host == _HOST and pid.isdigit():
-        # A live pid may be a reused one; no writer holds a temporary file for an hour either way.
-        return not _pid_alive(int(pid)) or _older_than(path, now, STALE_FOREIGN_TMP_S)
-    return _older_than(path, now, STALE_FOREIGN_TMP_S)
+    """True if the temporary file ``name`` (at ``path``) is left over: ``.tmp-<key>-<host>-<pid>-<rand>``.
 
-
-def _older_than(path: str, now: float, age: float) -> bool:
-    try:
-        return now - os.stat(path, follow_symlinks=False).st_mtime > age
-    except FileNotFoundError:
+    Never while it is young (TMP_YOUNG_S): its pid cannot be checked from another pid namespace on
+    the same host, and nothing in the name says which namespace wrote it, so only age protects a
+    live writer there.  Past that, a file of this host name whose pid is not running here is from
+    a dead writer (or a writer of another pid namespace stuck beyond every deadline); any other
+    file, a foreign host's or a name that does not parse, goes after STALE_FOREIGN_TMP_S.
+    """
+    age = _age(path, now)
+    if age is None or age <= TMP_YOUNG_S:
         return False
+    if age > STALE_FOREIGN_TMP_S:
+        return True
+    parts = name[len(TMP_PREFIX):].split("-")
+    if len(parts) != 4 or parts[1] != _HOST:
+        return False
+    pid = _parse_pid(parts[2])
+    # A live pid may be a reused one; no writer holds a temporary file for an hour either way.
+    return pid is not None and not _pid_alive(pid)
+
+
+def _age(path: str, now: float) -> float | None:
+    """Seconds since the file last changed (the newer of mtime and ctime: a write renews the one, a
+    chmod or link the other, and ctime cannot be set back); None if it is gone.  Any other error
+    reads as age 0, so a file that cannot be examined is left alone."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return 0.0
+    return now - max(st.st_mtime, st.st_ctime)
+
+
+def _parse_pid(text: str) -> int | None:
+    """A pid written by ``str(os.getpid())``: ASCII digits only (``str.isdigit`` also accepts
+    '²' and other digits ``int`` rejects), no leading zero, within pid_t; else None."""
+    if not 0 < len(text) <= 10 or not text.isascii() or not text.isdigit() or text[0] == "0":
+        return None
+    pid = int(text)
+    return pid if pid <= _PID_MAX else None
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs in this pid namespace.  A number no process can have (not
+    positive, or beyond pid_t, which os.kill cannot even pass: OverflowError) is not alive; an
+    answer other than "no such process" counts as alive, the safe side for every caller."""
     if pid == os.getpid():
         return True
+    if not 0 < pid <= _PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except OSError:  # EPERM: it exists, owned by someone else
         return True
     return True

@@ -13,11 +13,12 @@ import stat
 from dataclasses import dataclass, field
 
 from .pool import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX, quarantine_name
-from .pool_format import HEADER_SIZE, BlockHeader, parse_header
+from .pool_format import HEADER_SIZE, BlockHeader, FormatError, parse_header
 
 _HEX = frozenset("0123456789abcdef")
 _FP_DIR_LEN = 16
 _KEY_HEX_LEN = 64
+_NS_DIGITS = 19  # time.time_ns() has 19 digits from 2001 to 2286
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class PoolScan:
     blocks: list[BlockFile] = field(default_factory=list)
     tmp: list[str] = field(default_factory=list)  # temporary files of writers, live or dead
     foreign: int = 0  # entries that are neither blocks nor temporary files
+    # directories that could not be listed and entries that could not be lstat'ed (permissions: an
+    # owner without the share group's modes made them; I/O errors): what is in them was not seen
+    unreadable: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -62,27 +66,47 @@ def owners_dir(root: str) -> str:
 
 def fingerprint_dirs(root: str) -> list[str]:
     """Names of the fingerprint directories (16 hex digits); other entries are not blocks."""
-    return sorted(n for n in list_dir(layout_dir(root)) if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
+    return _fp_names(list_dir(layout_dir(root)))
+
+
+def _fp_names(names: list[str]) -> list[str]:
+    return sorted(n for n in names if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
 
 
 def scan_pool(root: str) -> PoolScan:
-    """lstat every entry below the fingerprint directories (no file is opened)."""
+    """lstat every entry below the fingerprint directories (no file is opened).
+
+    A directory or entry that cannot be read is counted in ``unreadable`` and skipped, never
+    raised: one key directory made without the share group's permissions must not keep stats,
+    verify and gc (or an owner's evictor) from the rest of the pool.
+    """
     out = PoolScan()
     base = layout_dir(root)
-    for fp in fingerprint_dirs(root):
+    for fp in _fp_names(_list_counted(base, out)):
         fp_dir = os.path.join(base, fp)
-        for sub in list_dir(fp_dir):
-            d = os.path.join(fp_dir, sub)
+        for sub in _list_counted(fp_dir, out):
             if len(sub) != 2 or not set(sub) <= _HEX:
                 continue
             try:
-                it = os.scandir(d)
+                with os.scandir(os.path.join(fp_dir, sub)) as it:
+                    for entry in it:
+                        _classify(out, fp, sub, entry)
             except (FileNotFoundError, NotADirectoryError):
-                continue
-            with it:
-                for entry in it:
-                    _classify(out, fp, sub, entry)
+                continue  # removed meanwhile (another owner, an operator), or not a directory
+            except OSError:  # unreadable, or a read error part way: what was listed is kept
+                out.unreadable += 1
     return out
+
+
+def _list_counted(d: str, out: PoolScan) -> list[str]:
+    """:func:`list_dir`, counting a directory that exists but cannot be listed in ``out``."""
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError:
+        out.unreadable += 1
+        return []
 
 
 def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
@@ -99,6 +123,9 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
         st = entry.stat(follow_symlinks=False)
     except FileNotFoundError:
         return
+    except OSError:  # a directory listable but not searchable (r without x), an I/O error
+        out.unreadable += 1
+        return
     if not stat.S_ISREG(st.st_mode):
         out.foreign += 1
         return
@@ -106,9 +133,24 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
                                 st.st_ctime_ns))
 
 
+def _open_regular(path: str) -> int:
+    """A read-only descriptor on ``path`` if it is a regular file; raises OSError, or FormatError
+    for anything else.  O_NONBLOCK: open(2) of a FIFO planted at the name (or swapped in after a
+    scan) waits for a writer for ever without it, hanging stats, verify or gc; it changes nothing
+    for regular files.  O_NOFOLLOW: a link could lead out of the pool."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_header(block: BlockFile) -> BlockHeader:
     """Parse the header of a scanned block against its name; raises OSError or FormatError."""
-    fd = os.open(block.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _open_regular(block.path)
     try:
         raw = os.pread(fd, HEADER_SIZE, 0)
         size = os.fstat(fd).st_size
@@ -118,11 +160,13 @@ def read_header(block: BlockFile) -> BlockHeader:
 
 
 def read_geometry(root: str, fp: str) -> dict | None:
-    """The fingerprint.json an owner wrote for this fingerprint, or None if absent or garbage."""
+    """The fingerprint.json an owner wrote for this fingerprint, or None if absent, not a regular
+    file, unreadable or garbage."""
     try:
-        with open(os.path.join(layout_dir(root), fp, "fingerprint.json"), "rb") as fh:
+        fd = _open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
+        with os.fdopen(fd, "rb") as fh:
             data = json.loads(fh.read(1 << 16))
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # FormatError is a ValueError
         return None
     return data if isinstance(data, dict) else None
 
@@ -133,9 +177,15 @@ def quarantine_destination(root: str, key_hex: str, reason: str, now_ns: int | N
 
 
 def quarantined_at_ns(path: str) -> int:
-    """When a quarantine entry was made, from its name, else its ctime (rename updates ctime)."""
+    """When a quarantine entry was made, from its name, else its ctime (rename updates ctime).
+
+    The name's time counts only as quarantine_name writes it: ASCII digits (``str.isdigit`` also
+    accepts '²', which ``int`` rejects) and at most 19 of them (``time.time_ns()`` until 2286), so
+    a stray file in the directory can neither abort gc nor, named with a time centuries ahead,
+    stay for ever.
+    """
     parts = os.path.basename(path).split(".")
-    if len(parts) >= 2 and parts[1].isdigit():
+    if len(parts) >= 2 and 0 < len(parts[1]) <= _NS_DIGITS and parts[1].isascii() and parts[1].isdigit():
         return int(parts[1])
     return os.stat(path, follow_symlinks=False).st_ctime_ns
 

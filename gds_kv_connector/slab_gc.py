@@ -85,6 +85,9 @@ def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = No
         # Walked only now, with the locks held: a reference its owner linked before it died, after
         # any earlier walk, is seen.
         scan = scan_pool(root)
+        if scan.unreadable:  # a reference in a directory this process cannot read may name any of them
+            report.kept_referenced += len(locked)
+            return report
         named = _referenced_slabs([b for b in scan.blocks if is_ref_size(b.size)])
         for path, fd in locked.items():
             fp = os.path.basename(os.path.dirname(os.path.dirname(path)))

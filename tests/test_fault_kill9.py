@@ -21,6 +21,7 @@ import pytest
 pytest.register_assert_rewrite("fault_helpers")
 import fault_helpers as fh  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
+from gds_kv_connector.pool import TMP_YOUNG_S  # noqa: E402
 
 pytest_plugins = ["fault_helpers"]
 
@@ -136,7 +137,8 @@ def test_kill9_writers_leave_no_partial_block(tmp_path):
         live.start()
         try:
             live_tmp = _read_line(r1, 10.0).decode().strip()
-            removed = fh.make_pool(root).cleanup_stale_tmp()
+            assert fh.make_pool(root).cleanup_stale_tmp() == 0  # all young: pids prove nothing yet
+            removed = fh.make_pool(root).cleanup_stale_tmp(now=time.time() + TMP_YOUNG_S + 5)
             assert os.path.exists(live_tmp), "cleanup removed a live writer's temporary file"
             assert removed == len(dead_tmps)
             assert fh.tmp_files(pool) == [live_tmp]
