@@ -41,8 +41,8 @@ from typing import Callable
 
 from .pool import _HOST, _pid_alive, _tmp_is_stale
 from .pool_format import ZERO_KEY, FormatError
-from .pool_scan import (BlockFile, PoolScan, layout_dir, owners_dir, quarantine_dir, quarantined_at_ns,
-                        read_header, scan_pool)
+from .pool_scan import (BlockFile, PoolScan, layout_dir, open_regular, owners_dir, quarantine_dir,
+                        quarantined_at_ns, read_header, scan_pool)
 from .recency import RecencyIndex, fold_stale_logs
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 LOCKS_DIR = "locks"
 LOCK_NAME = "evict.lock"
 EXCL_LOCK_STALE_S = 900.0  # an O_EXCL lock older than this is from a dead or hung evictor
+EXCL_LOCK_PID_CHECK_S = 60.0  # a younger one is never broken on a pid check alone
 QUARANTINE_KEEP_S = 86_400.0
 LOG_FOLD_AGE_S = 3_600.0  # access logs idle this long are folded into the archive log
 OWNER_STATS_KEEP_S = 7 * 86_400.0
@@ -99,7 +100,8 @@ class EvictLock:
     """Non-blocking per-root lock; ``flock`` where supported, else an O_EXCL file with a lease.
 
     The O_EXCL fallback (filesystems without working locks) is broken when its holder is a dead
-    local process or older than :data:`EXCL_LOCK_STALE_S`; two breakers racing can both win,
+    local process (checked once the lock is :data:`EXCL_LOCK_PID_CHECK_S` old) or older than
+    :data:`EXCL_LOCK_STALE_S`; two breakers racing can both win,
     which costs over-eviction at worst, never a corrupt pool.
     """
 
@@ -163,7 +165,7 @@ class EvictLock:
 
     def _excl_holder(self) -> dict:
         try:
-            with open(self.excl_path, "rb") as fh:
+            with os.fdopen(open_regular(self.excl_path), "rb") as fh:  # a FIFO there must not hang us
                 data = json.loads(fh.read(4096))
         except (OSError, ValueError):
             return {}
@@ -175,8 +177,10 @@ class EvictLock:
             age = time.time() - os.stat(self.excl_path).st_mtime
         except FileNotFoundError:
             return True
-        dead_local = holder.get("host") == _HOST and isinstance(holder.get("pid"), int) \
-            and not _pid_alive(holder["pid"])
+        # A pid is checked only once the lock is old enough: from another pid namespace on a host of
+        # the same name (a sidecar, `kubectl exec`) a live evictor's pid looks dead.
+        dead_local = age > EXCL_LOCK_PID_CHECK_S and holder.get("host") == _HOST \
+            and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"])
         if not dead_local and age <= self.stale_s:
             return False
         broken = f"{self.excl_path}.broken-{secrets.token_hex(4)}"

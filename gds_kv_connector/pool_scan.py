@@ -133,7 +133,7 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
                                 st.st_ctime_ns))
 
 
-def _open_regular(path: str) -> int:
+def open_regular(path: str) -> int:
     """A read-only descriptor on ``path`` if it is a regular file; raises OSError, or FormatError
     for anything else.  O_NONBLOCK: open(2) of a FIFO planted at the name (or swapped in after a
     scan) waits for a writer for ever without it, hanging stats, verify or gc; it changes nothing
@@ -150,7 +150,7 @@ def _open_regular(path: str) -> int:
 
 def read_header(block: BlockFile) -> BlockHeader:
     """Parse the header of a scanned block against its name; raises OSError or FormatError."""
-    fd = _open_regular(block.path)
+    fd = open_regular(block.path)
     try:
         raw = os.pread(fd, HEADER_SIZE, 0)
         size = os.fstat(fd).st_size
@@ -163,7 +163,7 @@ def read_geometry(root: str, fp: str) -> dict | None:
     """The fingerprint.json an owner wrote for this fingerprint, or None if absent, not a regular
     file, unreadable or garbage."""
     try:
-        fd = _open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
+        fd = open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
         with os.fdopen(fd, "rb") as fh:
             data = json.loads(fh.read(1 << 16))
     except (OSError, ValueError):  # FormatError is a ValueError

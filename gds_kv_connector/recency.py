@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -35,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from .pool import _HOST
-from .pool_scan import owners_dir
+from .pool_scan import open_regular, owners_dir
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +290,13 @@ class _OwnerLog:
     def _open(self) -> None:
         self.close()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
-        size = os.fstat(self.fd).st_size
+        # O_NONBLOCK: a FIFO planted at the name fails the open (ENXIO) instead of blocking the flusher
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o640)
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise OSError(errno.EINVAL, "not a regular file", self.path)
+        size = st.st_size
         self.size = size - size % RECORD.size  # overwrite a torn record left by a crash
 
 
@@ -320,8 +326,8 @@ class RecencyIndex:
         for name in names:
             path = os.path.join(self.dir, name)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except OSError:
+                fd = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
+            except (OSError, ValueError):
                 continue
             try:
                 st = os.fstat(fd)
@@ -437,11 +443,13 @@ def _listdir(d: str) -> list[str]:
 
 
 def _read_file(path: str) -> bytes:
+    """The file's bytes; none where it is gone or not a regular file (a FIFO must not hang a fold)."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except FileNotFoundError:
+        fd = open_regular(path)
+    except (FileNotFoundError, ValueError):
         return b""
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read()
 
 
 def _atomic_write(path: str, data: bytes) -> None:

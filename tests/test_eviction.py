@@ -198,10 +198,20 @@ def test_exclusive_file_lock_when_flock_is_unsupported(tmp_path, monkeypatch):
     first.release()
     assert second.acquire()
     second.release()
-    # a lock file left by a dead local process is broken; a fresh foreign one is respected
+    # a lock file of a local pid that is not running is broken once it is a minute old (younger, the
+    # pid may be a live evictor's in another pid namespace); a fresh foreign one is respected
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     with open(first.excl_path, "w") as fh:
         json.dump({"host": eviction._HOST, "pid": int(dead.stdout), "time": time.time(), "token": "x"}, fh)
+    assert not first.acquire()
+    minute = time.time() - eviction.EXCL_LOCK_PID_CHECK_S - 5
+    os.utime(first.excl_path, (minute, minute))
+    assert first.acquire()
+    first.release()
+    os.mkfifo(first.excl_path)  # a FIFO at the lock's name: no hang, and broken once old
+    assert not first.acquire()
+    old = time.time() - 2 * eviction.EXCL_LOCK_STALE_S
+    os.utime(first.excl_path, (old, old))
     assert first.acquire()
     first.release()
     with open(first.excl_path, "w") as fh:

@@ -353,3 +353,41 @@ def test_index_retains_only_live_keys_and_touches_after_the_scan(tmp_path):
     assert idx.retain({key(1), key(5)}) == 1
     assert idx.refresh() == {key(1): NOW, key(5): NOW + 30}
     rl.close()
+
+
+def test_a_fifo_among_the_logs_hangs_neither_the_index_nor_a_fold_nor_an_owner(tmp_path):
+    """A FIFO planted in owners/ (under a log's name, or an owner's own) is skipped: opening one for
+    reading waits for a writer for ever, and the evictor holds the pool's eviction lock meanwhile."""
+    import threading
+
+    root = str(tmp_path)
+    rl = RecencyLog(root, "real", flush_interval_s=0)
+    ts = time.time_ns()
+    rl.touch([b"\x01" * 32], ts)
+    rl.flush()
+    rl.close()
+    fifo = os.path.join(owners_dir(root), "planted.access")
+    os.mkfifo(fifo)
+    out: dict = {}
+
+    def run() -> None:
+        out["index"] = dict(RecencyIndex(root).refresh())
+        out["folded"] = fold_stale_logs(root, [b"\x01" * 32], 0.0, now=time.time() + 3600)
+        os.mkfifo(os.path.join(owners_dir(root), "victim.access"))  # after the fold, which removes it
+        victim = RecencyLog(root, "victim", flush_interval_s=0)
+        victim.touch([b"\x02" * 32], ts)
+        out["written"] = victim.flush()
+        victim.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        for path in (fifo, os.path.join(owners_dir(root), "victim.access")):
+            try:  # release a reader stuck on a FIFO so the thread ends
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        pytest.fail("a FIFO in owners/ blocked the recency code")
+    assert out["index"] == {b"\x01" * 32: ts}
+    assert out["written"] == 0  # the owner's own name is a FIFO: nothing written, nothing hung
