@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 RECORD = struct.Struct("<32sQ")
 ACCESS_SUFFIX = ".access"
 ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
+ARCHIVE_KEEP_FRACTION = 0.75  # an archive is rewritten for dead keys alone once they are over a quarter
 FOLD_MARK = ".fold-"  # <owner>.access.fold-<host>-<pid>-<hex>: a log taken by a fold, still read
 MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
 MAX_PENDING_BATCHES = 1 << 16  # touches kept while the filesystem does not accept writes
@@ -421,7 +422,12 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, 
     for path in taken:
         merge_records(_read_file(path), latest)
     live = set(live_keys)
-    _atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in latest.items() if k in live))
+    kept = {k: t for k, t in latest.items() if k in live}
+    if not taken and len(kept) >= ARCHIVE_KEEP_FRACTION * len(latest):
+        # Nothing folded and few keys to drop: a rewrite is a new inode that every owner's index
+        # then reads whole again, on every eviction run.
+        return 0
+    _atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in kept.items()))
     for path in taken:
         try:
             os.unlink(path)

@@ -148,6 +148,24 @@ def test_fold_stale_logs_keeps_live_keys_and_owner_restarts_its_log(tmp_path):
     assert load_recency(root) == {key(1): NOW, key(3): NOW + 1, key(4): NOW + 2}
 
 
+def test_an_archive_is_rewritten_only_when_it_folds_a_log_or_sheds_many_dead_keys(tmp_path):
+    """Every eviction run folds: rewriting the archive each time (a new inode) made every owner's
+    index read it whole again, though nothing changed but a few keys gone."""
+    root = str(tmp_path)
+    log = RecencyLog(root, "old", flush_interval_s=0)
+    log.touch([key(i) for i in range(8)], NOW)
+    log.close()
+    os.utime(os.path.join(owners_dir(root), "old.access"), (time.time() - 7200,) * 2)
+    assert fold_stale_logs(root, [key(i) for i in range(8)], older_than_s=3600) == 1
+    archive = os.path.join(owners_dir(root), ARCHIVE_NAME)
+    ino = os.stat(archive).st_ino
+    assert fold_stale_logs(root, [key(i) for i in range(7)], older_than_s=3600) == 0
+    assert os.stat(archive).st_ino == ino  # one dead key of eight: left for later
+    assert fold_stale_logs(root, [key(i) for i in range(5)], older_than_s=3600) == 0
+    assert os.stat(archive).st_ino != ino  # three of eight: the archive sheds them
+    assert load_recency(root) == {key(i): NOW for i in range(5)}
+
+
 def test_one_log_per_process_and_owner(tmp_path):
     shared = RecencyLog.for_process(str(tmp_path))
     try:
