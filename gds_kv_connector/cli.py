@@ -16,11 +16,14 @@ from .settings import ENV_PREFIX, Settings, SettingsError, settings_table
 DEFAULT_DEMO_ROOT = "./gds-kv-pool"
 
 
-def _root(args: argparse.Namespace) -> str:
+def _roots(args: argparse.Namespace) -> list[str]:
+    """Every root of the pool (``--root`` or the setting, ``:``-separated): the operator commands
+    cover them all, as the connector spreads blocks over them all."""
     root = args.root or os.environ.get(ENV_PREFIX + "ROOT", "")
-    if not root:
+    roots = [r for r in root.split(":") if r]
+    if not roots:
         raise SettingsError(f"no pool root: pass --root or set {ENV_PREFIX}ROOT")
-    return root.split(":")[0]
+    return roots
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -57,7 +60,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from .ops_commands import format_stats, stats
-    result = stats(_root(args))
+    result = stats(_roots(args))
     return _emit(args, result, format_stats(result))
 
 
@@ -65,14 +68,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .ops_commands import format_gc, gc
     s = Settings.load_from(require_root=False)
     quota = args.quota if args.quota is not None else s.quota_bytes
-    result = gc(_root(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes,
+    result = gc(_roots(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes,
                 grace_s=s.evict_grace_s, dry_run=args.dry_run)
     return _emit(args, result, format_gc(result))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .ops_commands import format_verify, verify
-    result = verify(_root(args), workers=args.workers, progress=not args.json, quarantine=not args.no_quarantine)
+    result = verify(_roots(args), workers=args.workers, progress=not args.json, quarantine=not args.no_quarantine)
     return _emit(args, result, format_verify(result))
 
 
@@ -109,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "no owner holds or names"),
                             ("verify", cmd_verify, "re-check every header and checksum; quarantine bad files")):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--root", help=f"pool root (default: ${ENV_PREFIX}ROOT)")
+        c.add_argument("--root", help=f"pool root, or all the roots of a pool separated by ':' "
+                                      f"(default: ${ENV_PREFIX}ROOT)")
         c.add_argument("--json", action="store_true", help="machine-readable output")
         c.set_defaults(fn=fn)
         if name == "gc":
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:  # includes ops_commands.UsageError
         print(f"gds-kv: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a root or file the command could not read or change: say which, no traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"gds-kv: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

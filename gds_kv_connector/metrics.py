@@ -1,38 +1,83 @@
-"""Owner counters for operators: a stats file per owner in the pool, and Prometheus text.
+"""Owner counters for operators: a stats file per owner process in the pool.
 
 Owners on many nodes share one pool and no network endpoint, so each owner periodically drops
-its counters into ``<root>/gdskv-v1/owners/<owner>.stats.json`` (replaced atomically, so a
-reader never sees half a file) and ``gds-kv stats`` aggregates them.
+its numbers into ``<root>/gdskv-v1/owners/<owner>.<started_ns>.stats.json`` (replaced
+atomically, so a reader never sees half a file) and ``gds-kv stats`` aggregates them.
+
+Two kinds of number, kept apart in the file because they add up differently:
+
+* ``counters`` only grow during a process's life (blocks saved, bytes loaded).  A total over
+  the pool sums them over every file, including the final file a process leaves when it exits:
+  what it did still happened.  That is why a file is named per process start, not by the owner
+  id alone: a restarted container often gets the same host name and pid, and overwriting the
+  previous process's final counters would make totals go backwards.
+* ``gauges`` say what a process holds now (arena slots owned and used).  They are summed only
+  over live owners (no ``final`` file, updated within a few publish intervals): a slab adopted
+  by the next process would otherwise be counted once for each.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
-import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .pool import _HOST
 from .pool_scan import owners_dir
 
 STATS_SUFFIX = ".stats.json"
-METRIC_PREFIX = "gdskv_"
-_NAME_BAD = re.compile(r"[^a-zA-Z0-9_:]")
+MAX_STATS_FILE_BYTES = 1 << 20  # a bigger file is not one an owner wrote
+MAX_VALUE = 2**63  # counters, gauges and times fit in 64 bits; a bigger one is garbage
+MAX_NAME_LEN = 200
+MAX_INTERVAL_S = 1e9  # the bound settings puts on every time setting
+DEFAULT_INTERVAL_S = 10.0  # TLLM_GDS_KV_STATS_INTERVAL_S's default: for files that do not say theirs
+LIVE_INTERVALS = 3  # an owner not heard from for this many intervals is taken for gone
 
 
-def stats_path(root: str, owner_id: str) -> str:
-    return os.path.join(owners_dir(root), owner_id + STATS_SUFFIX)
+class NotRegularFile(OSError):
+    """A name that should be a regular file is something else (a FIFO, a device, a directory)."""
 
 
-def write_owner_stats(root: str, owner_id: str, counters: Mapping[str, int]) -> str:
-    """Replace this owner's stats file; returns its path."""
-    path = stats_path(root, owner_id)
+class Snapshot(dict):
+    """One owner's numbers by name, counters and gauges in one mapping (how callers read a value),
+    remembering which are gauges so the stats file can keep the two apart."""
+
+    def __init__(self, counters: Mapping[str, int], gauges: Mapping[str, int] | None = None) -> None:
+        super().__init__(counters)
+        self.update(gauges or {})
+        self.gauge_names = frozenset(gauges or ())
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {k: v for k, v in self.items() if k not in self.gauge_names}
+
+    @property
+    def gauges(self) -> dict[str, int]:
+        return {k: v for k, v in self.items() if k in self.gauge_names}
+
+
+def stats_path(root: str, owner_id: str, started_ns: int) -> str:
+    """The stats file of the process ``owner_id`` that started at ``started_ns``."""
+    return os.path.join(owners_dir(root), f"{owner_id}.{started_ns}{STATS_SUFFIX}")
+
+
+def write_owner_stats(root: str, owner_id: str, counters: Mapping[str, int], *,
+                      gauges: Mapping[str, int] | None = None, started_ns: int, interval_s: float = 0.0,
+                      final: bool = False) -> str:
+    """Replace this process's stats file; returns its path."""
+    path = stats_path(root, owner_id, started_ns)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    body = json.dumps({"owner": owner_id, "host": _HOST, "pid": os.getpid(), "updated_ns": time.time_ns(),
-                       "counters": {str(k): int(v) for k, v in counters.items()}}, sort_keys=True)
+    body = json.dumps({"owner": owner_id, "host": _HOST, "pid": os.getpid(), "started_ns": started_ns,
+                       "updated_ns": time.time_ns(), "interval_s": interval_s, "final": final,
+                       "counters": {str(k): int(v) for k, v in counters.items()},
+                       "gauges": {str(k): int(v) for k, v in (gauges or {}).items()}}, sort_keys=True)
     tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
     try:
@@ -43,50 +88,133 @@ def write_owner_stats(root: str, owner_id: str, counters: Mapping[str, int]) -> 
     return path
 
 
-def read_owner_stats(root: str) -> dict[str, dict]:
-    """Every owner's last stats, by owner id; unreadable or malformed files are skipped."""
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor on ``path`` and its fstat, if it is a regular file; raises OSError
+    (:class:`NotRegularFile` for anything else).  O_NONBLOCK: open(2) of a FIFO planted in the
+    pool waits for a writer for ever without it; it changes nothing for regular files.
+    O_NOFOLLOW: a link could lead out of the pool."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_owner_stats(root: str) -> dict[str, dict[str, Any]]:
+    """Every owner process's last stats, by file name (less the suffix).
+
+    Files that are not regular, unreadable or not a JSON object with ``counters`` are skipped.
+    Other fields are checked, since any owner (or anyone) can write there: a value of the wrong
+    type or out of range is dropped and its field named in ``invalid``.  Files of versions
+    before gauges and per-start names read as counters only, never final.
+    """
     d = owners_dir(root)
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     try:
         names = os.listdir(d)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return out
     for name in names:
-        if not name.endswith(STATS_SUFFIX):
+        stem = name[:-len(STATS_SUFFIX)]
+        if not name.endswith(STATS_SUFFIX) or not _good_name(stem):
             continue
-        try:
-            with open(os.path.join(d, name), "rb") as fh:
-                data = json.loads(fh.read(1 << 20))
-        except (OSError, ValueError):
-            continue
-        counters = data.get("counters") if isinstance(data, dict) else None
-        if not isinstance(counters, dict):
-            continue
-        data["counters"] = {str(k): v for k, v in counters.items() if isinstance(v, int)}
-        out[name[:-len(STATS_SUFFIX)]] = data
+        data = _load_json(os.path.join(d, name))
+        if isinstance(data, dict) and isinstance(data.get("counters"), dict):
+            out[stem] = _checked(data, stem)
     return out
 
 
-def render_prometheus(counters: Mapping[str, int], labels: Mapping[str, str] | None = None) -> str:
-    """Prometheus text exposition (0.0.4) of monotonic counters as ``gdskv_<name>_total``."""
-    label_text = ""
-    if labels:
-        label_text = "{" + ",".join(f'{_metric_name(k)}="{_escape(str(v))}"'
-                                    for k, v in sorted(labels.items())) + "}"
-    lines = []
-    for name in sorted(counters):
-        metric = METRIC_PREFIX + _metric_name(name) + "_total"
-        lines.append(f"# TYPE {metric} counter")
-        lines.append(f"{metric}{label_text} {int(counters[name])}")
-    return "\n".join(lines) + "\n" if lines else ""
+def live(entry: Mapping[str, Any], now_ns: int) -> bool:
+    """Whether the owner of a :func:`read_owner_stats` entry is taken for running now: it has
+    not written its final file, and it published within :data:`LIVE_INTERVALS` intervals."""
+    updated = entry.get("updated_ns")
+    if entry.get("final") or updated is None:
+        return False
+    interval = entry.get("interval_s") or DEFAULT_INTERVAL_S
+    return now_ns - updated <= LIVE_INTERVALS * interval * 1e9
+
+
+def _load_json(path: str) -> Any:
+    try:
+        fd, st = open_regular(path)
+    except OSError:
+        return None
+    try:
+        if st.st_size > MAX_STATS_FILE_BYTES:
+            return None
+        raw = os.read(fd, MAX_STATS_FILE_BYTES + 1)
+        return json.loads(raw) if len(raw) <= MAX_STATS_FILE_BYTES else None
+    except (OSError, ValueError, RecursionError):  # RecursionError: a file of nested brackets
+        return None
+    finally:
+        os.close(fd)
+
+
+def _checked(data: dict[str, Any], stem: str) -> dict[str, Any]:
+    """The fields of one stats file that pass their checks, and the names of those that do not."""
+    invalid: list[str] = []
+
+    def field(name: str, ok: Callable[[Any], bool], default: Any = None) -> Any:
+        value = data.get(name, default)
+        if value is default or ok(value):
+            return value
+        invalid.append(name)
+        return default
+
+    def numbers(name: str) -> dict[str, int]:
+        raw = data.get(name)
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            invalid.append(name)
+            return {}
+        good = {k: v for k, v in raw.items() if _good_name(k) and _good_int(v)}
+        invalid.extend(f"{name}.{k}" if _good_name(k) else f"{name}.?" for k in raw if k not in good)
+        return good
+
+    entry = {"owner": field("owner", _good_name, stem), "host": field("host", _good_name),
+             "pid": field("pid", lambda v: _good_int(v) and 0 < v < 2**31),
+             "started_ns": field("started_ns", _good_int), "updated_ns": field("updated_ns", _good_int),
+             "interval_s": field("interval_s", _good_interval), "final": field("final", _is_bool, False),
+             "counters": numbers("counters"), "gauges": numbers("gauges")}
+    entry["invalid"] = sorted(set(invalid))
+    return entry
+
+
+def _good_int(v: Any) -> bool:
+    return type(v) is int and 0 <= v < MAX_VALUE
+
+
+def _good_interval(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_INTERVAL_S
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _good_name(v: Any) -> bool:
+    """Names end up in text output: printable (no line breaks, no undecodable bytes) and short."""
+    return isinstance(v, str) and 0 < len(v) <= MAX_NAME_LEN and v.isprintable()
 
 
 class StatsPublisher:
-    """Writes ``snapshot()`` to this owner's stats file in every root every ``interval_s``."""
+    """Writes ``snapshot()`` to this process's stats file in every root every ``interval_s``, and
+    a final one marked ``final`` at :meth:`close`.
+
+    ``snapshot`` returns a :class:`Snapshot` (counters and gauges) or any mapping of counters.
+    The file is named by ``owner_id`` and this publisher's start time, unique per process start.
+    """
 
     def __init__(self, roots: Sequence[str], owner_id: str, snapshot: Callable[[], Mapping[str, int]],
                  interval_s: float) -> None:
         self.roots, self.owner_id, self._snapshot = tuple(roots), owner_id, snapshot
+        self.interval_s = interval_s
+        self.started_ns = time.time_ns()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval_s > 0:
@@ -94,30 +222,27 @@ class StatsPublisher:
                                             daemon=True)
             self._thread.start()
 
-    def publish(self) -> None:
-        counters = self._snapshot()
+    def paths(self) -> list[str]:
+        return [stats_path(root, self.owner_id, self.started_ns) for root in self.roots]
+
+    def publish(self, final: bool = False) -> None:
+        snap = self._snapshot()
+        counters, gauges = (snap.counters, snap.gauges) if isinstance(snap, Snapshot) else (snap, {})
         for root in self.roots:
             try:
-                write_owner_stats(root, self.owner_id, counters)
+                write_owner_stats(root, self.owner_id, counters, gauges=gauges, started_ns=self.started_ns,
+                                  interval_s=self.interval_s, final=final)
             except OSError:
                 pass  # the next interval tries again; stats never fail serving
 
     def close(self) -> None:
-        """Stop and write the final counters, which stay readable after this owner exits."""
+        """Stop and write the final counters, marked final: they stay readable after this owner
+        exits, and its gauges stop counting at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            self.publish()
+            self.publish(final=True)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             self.publish()
-
-
-def _metric_name(name: str) -> str:
-    cleaned = _NAME_BAD.sub("_", name)
-    return "_" + cleaned if cleaned[:1].isdigit() else cleaned
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")

@@ -14,12 +14,12 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .checksum import checksum_bytes
-from .eviction import EvictionReport, evict, expire
-from .metrics import read_owner_stats
+from .eviction import EvictionReport, evict_pool, expire_pool
+from .metrics import NotRegularFile, live, open_regular, read_owner_stats
 from .arena import SLAB_SUFFIX, SLABS_DIR
 from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header, parse_ref
 from .pool_scan import (BlockFile, fingerprint_dirs, layout_dir, owners_dir, quarantine_destination,
@@ -42,11 +42,83 @@ def _require_pool(root: str) -> None:
         raise UsageError(f"{root} holds no pool (no {layout_dir(root)} directory)")
 
 
+# -- several roots --------------------------------------------------------------------------------
+def pool_roots(root: str | Sequence[str]) -> list[str]:
+    """The roots of a pool: one path, a ``:``-separated list (as ``TLLM_GDS_KV_ROOT``), or a
+    sequence; each once, in order.  A pool of several roots is one pool: every command covers
+    all of them."""
+    parts = root.split(":") if isinstance(root, str) else list(root)
+    out: list[str] = []
+    for r in parts:
+        if r and os.path.abspath(r) not in map(os.path.abspath, out):
+            out.append(r)
+    if not out:
+        raise UsageError("no pool root given")
+    return out
+
+
+def _over_roots(results: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any]:
+    """A result over several roots: the single-root shape holding the totals (``root`` names
+    them all), and each root's own result under ``roots``."""
+    return {"root": ":".join(r["root"] for r in results), **totals, "roots": results,
+            "exit_code": max(r["exit_code"] for r in results)}
+
+
+def _format_over_roots(result: dict[str, Any], fmt: Callable[[dict[str, Any]], list[str]],
+                       total: str) -> list[str]:
+    """One root's lines as ``fmt`` gives them; for several, each root's lines after its first
+    (``pool <root>: ...``) name their root too, and ``total`` follows."""
+    if len(result["roots"]) == 1:
+        return fmt(result["roots"][0])
+    lines = []
+    for r in result["roots"]:
+        own = fmt(r)
+        lines += own[:1] + [f"  {r['root']}: {line.lstrip()}" for line in own[1:]]
+    return lines + [f"total over {len(result['roots'])} roots: {total}"]
+
+
 # -- stats ----------------------------------------------------------------------------------------
-def stats(root: str, now: float | None = None) -> dict[str, Any]:
-    """Usage per fingerprint, leftovers, and every owner's last published counters."""
-    _require_pool(root)
+def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]:
+    """Usage per fingerprint, leftovers, and every owner's last published numbers, over every
+    root of the pool: each root's own result under ``roots``, their sums at the top.
+
+    Owners publish into every root, so their files are merged across roots, not summed: per
+    process start, the newest file.  Counters are summed over every process that published
+    (what exited processes did still happened), gauges only over the live ones.
+    """
+    roots = pool_roots(root)
+    for r in roots:
+        _require_pool(r)
     now = time.time() if now is None else now
+    results = [_stats_root(r, now) for r in roots]
+    owners: dict[str, dict[str, Any]] = {}
+    for res in results:
+        for name, o in res["owners"].items():
+            if name not in owners or (o["updated_ns"] or 0) > (owners[name]["updated_ns"] or 0):
+                owners[name] = o
+    owners = dict(sorted(owners.items()))
+    fps: dict[str, dict[str, Any]] = {}
+    for res in results:
+        for fp, e in res["fingerprints"].items():
+            if fp not in fps:
+                fps[fp] = dict(e)
+                continue
+            t = fps[fp]
+            for k in ("blocks", "bytes", "slabs", "slab_bytes"):
+                t[k] += e[k]
+            for k in ("geometry", "payload_len", "tokens_per_block"):
+                t[k] = t[k] if t[k] is not None else e[k]
+            t["tokens"] = t["blocks"] * t["tokens_per_block"] if isinstance(t["tokens_per_block"], int) else None
+    totals = {"blocks": _sum(results, "blocks"), "bytes": _sum(results, "bytes"), "fingerprints": fps,
+              **{k: {"files": _sum(results, k, "files"), "bytes": _sum(results, k, "bytes")}
+                 for k in ("quarantine", "tmp", "access_logs")},
+              "foreign_entries": _sum(results, "foreign_entries"),
+              "unreadable_entries": _sum(results, "unreadable_entries"), "filesystem": _filesystems(roots),
+              **_owner_totals(owners)}
+    return _over_roots(results, totals)
+
+
+def _stats_root(root: str, now: float) -> dict[str, Any]:
     scan = scan_pool(root)
     per_fp: dict[str, dict[str, Any]] = {}
     for fp in fingerprint_dirs(root):
@@ -64,31 +136,68 @@ def stats(root: str, now: float | None = None) -> dict[str, Any]:
     for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are
         sizes = _files_with_sizes(os.path.join(layout_dir(root), fp, SLABS_DIR), SLAB_SUFFIX)
         entry["slabs"], entry["slab_bytes"] = len(sizes), sum(sizes)
+    now_ns = int(now * 1e9)
     owners = {}
-    totals: Counter[str] = Counter()
-    for owner, data in sorted(read_owner_stats(root).items()):
-        updated = data.get("updated_ns")
-        owners[owner] = {"host": data.get("host"), "pid": data.get("pid"),
-                         "age_s": round(now - updated / 1e9, 1) if isinstance(updated, int) else None,
-                         "counters": data["counters"]}
-        totals.update(data["counters"])
+    for name, data in sorted(read_owner_stats(root).items()):
+        updated = data["updated_ns"]
+        owners[name] = {**data, "age_s": round(now - updated / 1e9, 1) if updated is not None else None,
+                        "live": live(data, now_ns)}
     qfiles = _files_with_sizes(quarantine_dir(root))
     logs = _files_with_sizes(owners_dir(root), ACCESS_SUFFIX)
-    try:
-        vfs = os.statvfs(root)
-        filesystem = {"free_bytes": vfs.f_bavail * vfs.f_frsize, "total_bytes": vfs.f_blocks * vfs.f_frsize}
-    except OSError:
-        filesystem = {"free_bytes": None, "total_bytes": None}
     return {"root": os.path.abspath(root), "blocks": len(scan.blocks), "bytes": scan.block_bytes,
             "fingerprints": per_fp,
             "quarantine": {"files": len(qfiles), "bytes": sum(qfiles)},
             "tmp": {"files": len(scan.tmp), "bytes": sum(_sizes(scan.tmp))},
-            "foreign_entries": scan.foreign,
+            "foreign_entries": scan.foreign, "unreadable_entries": scan.unreadable,
             "access_logs": {"files": len(logs), "bytes": sum(logs)},
-            "filesystem": filesystem, "owners": owners, "counters_total": dict(sorted(totals.items()))}
+            "filesystem": _filesystems([root]), **_owner_totals(owners), "exit_code": EXIT_OK}
+
+
+def _owner_totals(owners: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Counters summed over every owner process that published, gauges over the live ones."""
+    counters: Counter[str] = Counter()
+    gauges: Counter[str] = Counter()
+    for o in owners.values():
+        counters.update(o["counters"])
+        if o["live"]:
+            gauges.update(o["gauges"])
+    return {"owners": owners, "owners_live": sum(o["live"] for o in owners.values()),
+            "counters_total": dict(sorted(counters.items())), "gauges_total": dict(sorted(gauges.items()))}
+
+
+def _filesystems(roots: Sequence[str]) -> dict[str, int | None]:
+    """Free and total bytes of the filesystems holding ``roots``, each filesystem once."""
+    seen: set[int] = set()
+    free = total = 0
+    for root in roots:
+        try:
+            dev = os.stat(root).st_dev
+            vfs = os.statvfs(root)
+        except OSError:
+            return {"free_bytes": None, "total_bytes": None}
+        if dev not in seen:
+            seen.add(dev)
+            free += vfs.f_bavail * vfs.f_frsize
+            total += vfs.f_blocks * vfs.f_frsize
+    return {"free_bytes": free, "total_bytes": total}
 
 
 def format_stats(result: dict[str, Any]) -> str:
+    total = f"{result['blocks']} blocks, {_human(result['bytes'])}"
+    lines = _format_over_roots(result, _stats_lines, total)
+    for owner, o in result["owners"].items():
+        state = "final" if o["final"] else "live" if o["live"] else "not heard from"
+        gauges = f"; now {_pairs(o['gauges'])}" if o["gauges"] else ""
+        invalid = f"; ignored invalid {', '.join(o['invalid'])}" if o["invalid"] else ""
+        lines.append(f"owner {owner} (updated {o['age_s']} s ago, {state}): {_pairs(o['counters'])}"
+                     + gauges + invalid)
+    if result["owners"]:
+        lines.append(f"owners' counters summed: {_pairs(result['counters_total'])}")
+        lines.append(f"gauges of the {result['owners_live']} live owner(s) summed: {_pairs(result['gauges_total'])}")
+    return "\n".join(lines)
+
+
+def _stats_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"pool {result['root']}: {result['blocks']} blocks, {_human(result['bytes'])}"]
     for fp, e in result["fingerprints"].items():
         tokens = f", {e['tokens']} tokens" if e["tokens"] is not None else ""
@@ -104,49 +213,127 @@ def format_stats(result: dict[str, Any]) -> str:
                  f"({_human(result['access_logs']['bytes'])})")
     if result["foreign_entries"]:
         lines.append(f"unexpected entries in block directories: {result['foreign_entries']}")
-    for owner, o in result["owners"].items():
-        lines.append(f"owner {owner} (updated {o['age_s']} s ago): "
-                     + ", ".join(f"{k}={v}" for k, v in sorted(o["counters"].items())))
-    return "\n".join(lines)
+    if result["unreadable_entries"]:
+        lines.append(f"directories or entries this process cannot read (not counted): {result['unreadable_entries']}")
+    return lines
 
 
 # -- gc -------------------------------------------------------------------------------------------
-def gc(root: str, quota_bytes: int, low_watermark: float, max_age_s: float = 0.0, *, min_free_bytes: int = 0,
-       grace_s: float = 300.0, dry_run: bool = False, now: float | None = None) -> dict[str, Any]:
-    """Expire blocks older than ``max_age_s`` (0: keep), then evict down to the budget."""
-    _require_pool(root)
+def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_age_s: float = 0.0, *,
+       min_free_bytes: int = 0, grace_s: float = 300.0, dry_run: bool = False,
+       now: float | None = None) -> dict[str, Any]:
+    """Expire blocks older than ``max_age_s`` (0: keep), then evict every root of the pool down to
+    its budget (``quota_bytes`` and ``min_free_bytes`` apply to each root, as in the connector).
+
+    A dry run's quota step plans on the whole pool, blocks the expiry step would remove
+    included; it is corrected here (:func:`_after_expiry`) so that no block counts twice.  A dry
+    run removes nothing, but eviction still takes each root's lock for it, which creates
+    ``locks/evict.lock`` in a root that never had an eviction run.
+    """
+    roots = pool_roots(root)
+    for r in roots:
+        _require_pool(r)
     if quota_bytes < 0 or min_free_bytes < 0 or max_age_s < 0 or grace_s < 0:
         raise UsageError("quota, min_free, max_age and grace must not be negative")
     if not 0.0 < low_watermark < 1.0:
         raise UsageError(f"low_watermark must be between 0 and 1 (exclusive), got {low_watermark}")
-    reports: list[EvictionReport] = []
+    steps: list[list[EvictionReport]] = []  # per step, one report per root
+    estimated = [False] * len(roots)
     if max_age_s:
-        reports.append(expire(root, max_age_s, now, dry_run=dry_run))
-    if not (reports and reports[0].skipped):
-        reports.append(evict(root, quota_bytes, low_watermark, min_free_bytes, grace_s, now, dry_run=dry_run))
+        steps.append(expire_pool(roots, max_age_s, now, dry_run=dry_run))
+    expired = steps[0] if steps else None
+    if expired is None or not any(r.skipped for r in expired):
+        if dry_run and expired is not None:
+            still_over = [_over_budget(e, quota_bytes, min_free_bytes) for e in expired]
+            quota: Sequence[EvictionReport | None] = [None] * len(roots)
+            if any(still_over):
+                quota = evict_pool(roots, quota_bytes, low_watermark, min_free_bytes, grace_s, now, dry_run=True)
+            after = [_after_expiry(q, e, over) for q, e, over in zip(quota, expired, still_over)]
+            steps.append([report for report, _ in after])
+            estimated = [est for _, est in after]
+        else:
+            steps.append(evict_pool(roots, quota_bytes, low_watermark, min_free_bytes, grace_s, now,
+                                    dry_run=dry_run))
+    slabs = [remove_orphan_slabs(r, dry_run, now).to_dict() for r in roots]
+    results = [_gc_result([step[i] for step in steps], estimated[i], slabs[i], dry_run, quota_bytes)
+               for i in range(len(roots))]
+    totals = {"dry_run": dry_run, "skipped": any(r["skipped"] for r in results),
+              **{k: _sum(results, k) for k in slabs[0]},
+              "within_budget": all(r["within_budget"] for r in results),
+              "runs": [run for r in results for run in r["runs"]],
+              **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after")},
+              "quota_bytes": quota_bytes}
+    return _over_roots(results, totals)
+
+
+def _gc_result(reports: list[EvictionReport], estimated: bool, slabs: dict[str, int], dry_run: bool,
+               quota_bytes: int) -> dict[str, Any]:
+    """One root's gc result; ``estimated``: its last report's figures are derived, not planned."""
     skipped = any(r.skipped for r in reports)
-    slabs = remove_orphan_slabs(root, dry_run, now)
     last = reports[-1]
     within = not skipped and last.reached_target
-    return {"root": os.path.abspath(root), "dry_run": dry_run, "skipped": skipped, **slabs.to_dict(),
-            "within_budget": within, "runs": [r.to_dict() for r in reports],
+    runs = [r.to_dict() | {"estimated": False} for r in reports]
+    runs[-1]["estimated"] = estimated
+    return {"root": last.root, "dry_run": dry_run, "skipped": skipped, **slabs,
+            "within_budget": within, "runs": runs,
             "evicted_blocks": sum(r.evicted_blocks for r in reports),
             "evicted_bytes": sum(r.evicted_bytes for r in reports),
             "usage_after": last.usage_after, "quota_bytes": quota_bytes,
             "exit_code": EXIT_OK if within else EXIT_PROBLEMS}
 
 
+def _over_budget(expired: EvictionReport, quota_bytes: int, min_free_bytes: int) -> bool:
+    """Whether a root would still be over its budget once the expiry step removed its blocks (the
+    quota step's plan, with the space the expiry frees taken as freed)."""
+    usage = expired.scanned_bytes - expired.evicted_bytes
+    free = expired.free_bytes + expired.evicted_bytes if expired.free_bytes >= 0 else -1
+    return bool(quota_bytes and usage > quota_bytes) or bool(min_free_bytes and 0 <= free < min_free_bytes)
+
+
+def _after_expiry(quota: EvictionReport | None, expired: EvictionReport,
+                  over: bool) -> tuple[EvictionReport, bool]:
+    """A dry run's quota step as it would run after the expiry step, from its plan on the whole pool.
+
+    Within budget once expired blocks are gone, the step finds nothing to do: exact.  Still over,
+    its plan on the whole pool took the oldest blocks first, which are those the expiry removes,
+    so what it would remove after them is estimated as its plan less the expiry's (exact for a
+    pool whose cut-off chains fit in the target and whose grace is within the expiry age); the
+    report says so (the second value).  An exact plan needs eviction to plan both steps on one scan.
+    """
+    base = {"root": expired.root, "dry_run": True,
+            "scanned_blocks": expired.scanned_blocks - expired.evicted_blocks,
+            "scanned_bytes": expired.scanned_bytes - expired.evicted_bytes,
+            "free_bytes": expired.free_bytes + expired.evicted_bytes if expired.free_bytes >= 0 else -1}
+    if quota is None or not over:
+        return EvictionReport(**base), False
+    return EvictionReport(**base, skipped=quota.skipped, reason=quota.reason,
+                          target_bytes=max(0, quota.target_bytes - expired.evicted_bytes),
+                          evicted_blocks=max(0, quota.evicted_blocks - expired.evicted_blocks),
+                          evicted_bytes=max(0, quota.evicted_bytes - expired.evicted_bytes),
+                          protected_blocks=quota.protected_blocks, unreadable_headers=quota.unreadable_headers,
+                          duration_s=quota.duration_s), True
+
+
 def format_gc(result: dict[str, Any]) -> str:
+    verb = "would remove" if result["dry_run"] else "removed"
+    total = (f"{verb} {result['evicted_blocks']} blocks ({_human(result['evicted_bytes'])}); usage now "
+             f"{_human(result['usage_after'])}")
+    return "\n".join(_format_over_roots(result, _gc_lines, total))
+
+
+def _gc_lines(result: dict[str, Any]) -> list[str]:
     if result["skipped"]:
-        return f"pool {result['root']}: another owner is evicting right now; nothing done"
+        return [f"pool {result['root']}: another owner is evicting right now; nothing done"]
     verb = "would remove" if result["dry_run"] else "removed"
     lines = [f"pool {result['root']}: {verb} {result['evicted_blocks']} blocks "
              f"({_human(result['evicted_bytes'])}); usage now {_human(result['usage_after'])}"
              + (f" of a {_human(result['quota_bytes'])} quota" if result["quota_bytes"] else "")]
     for r in result["runs"]:
         if r["reason"]:
-            lines.append(f"  {r['reason']}: target {_human(r['target_bytes'])}, {r['evicted_blocks']} blocks, "
-                         f"{r['protected_blocks']} too recent to remove, {r['failed']} failed")
+            about = "about " if r.get("estimated") else ""
+            lines.append(f"  {r['reason']}: target {_human(r['target_bytes'])}, {about}{r['evicted_blocks']} blocks, "
+                         f"{r['protected_blocks']} too recent to remove, {r['failed']} failed"
+                         + (" (estimated: the expiry step's blocks taken out of the plan)" if about else ""))
         if r["tmp_removed"] or r["quarantine_removed"] or r["logs_folded"]:
             lines.append(f"  tidied {r['tmp_removed']} stale temporary files, {r['quarantine_removed']} old "
                          f"quarantined files, {r['logs_folded']} idle access logs")
@@ -158,15 +345,31 @@ def format_gc(result: dict[str, Any]) -> str:
     if not result["within_budget"]:
         lines.append("  the pool is still over its budget: blocks within the grace period or failures "
                      "kept it there")
-    return "\n".join(lines)
+    return lines
 
 
 # -- verify ---------------------------------------------------------------------------------------
-def verify(root: str, workers: int = 8, progress: bool = True, quarantine: bool = True) -> dict[str, Any]:
-    """Re-check every block's header and payload checksum; move bad ones to quarantine."""
-    _require_pool(root)
+def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
+           quarantine: bool = True) -> dict[str, Any]:
+    """Re-check every block's header and payload checksum in every root; move bad ones to quarantine."""
+    roots = pool_roots(root)
+    for r in roots:
+        _require_pool(r)
     if workers < 1:
         raise UsageError(f"workers must be >= 1, got {workers}")
+    results = [_verify_root(r, workers, progress, quarantine) for r in roots]
+    reasons: Counter[str] = Counter()
+    for r in results:
+        reasons.update(r["reasons"])
+    totals = {k: _sum(results, k) for k in ("checked", "ok", "bad", "vanished", "quarantined")}
+    totals |= {"reasons": dict(reasons),
+               "bad_files": [f for r in results for f in r["bad_files"]][:MAX_LISTED_BAD],
+               "bytes_read": _sum(results, "bytes_read"),
+               "duration_s": round(sum(r["duration_s"] for r in results), 3)}
+    return _over_roots(results, totals)
+
+
+def _verify_root(root: str, workers: int, progress: bool, quarantine: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     blocks = scan_pool(root).blocks
     reasons: Counter[str] = Counter()
@@ -199,6 +402,12 @@ def verify(root: str, workers: int = 8, progress: bool = True, quarantine: bool 
 
 
 def format_verify(result: dict[str, Any]) -> str:
+    total = (f"{result['checked']} blocks checked, {result['ok']} ok, {result['bad']} bad "
+             f"({result['quarantined']} quarantined)")
+    return "\n".join(_format_over_roots(result, _verify_lines, total))
+
+
+def _verify_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"pool {result['root']}: {result['checked']} blocks checked, {result['ok']} ok, {result['bad']} bad "
              f"({result['quarantined']} quarantined) in {result['duration_s']:.1f} s"]
     for reason, n in sorted(result["reasons"].items()):
@@ -207,7 +416,7 @@ def format_verify(result: dict[str, Any]) -> str:
         lines.append(f"  {f['path']}: {f['reason']}: {f['detail']}")
     if result["bad"] > len(result["bad_files"]):
         lines.append(f"  ... and {result['bad'] - len(result['bad_files'])} more")
-    return "\n".join(lines)
+    return lines
 
 
 def _map_bounded(ex: ThreadPoolExecutor, fn: Callable[[BlockFile], Any], items: list[BlockFile],
@@ -221,13 +430,12 @@ def _map_bounded(ex: ThreadPoolExecutor, fn: Callable[[BlockFile], Any], items: 
 def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str, int, str | None]:
     """(kind, detail, bytes read, quarantine path); kind is ok, vanished, header, checksum or io."""
     try:
-        fd = os.open(block.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd, st = open_regular(block.path)
     except FileNotFoundError:
         return "vanished", "", 0, None  # evicted while we walked
     except OSError as exc:
         return "io", f"open failed: {exc.strerror}", 0, None
     try:
-        st = os.fstat(fd)
         raw = os.pread(fd, HEADER_SIZE, 0)
         if raw[:len(REF_MAGIC)] == REF_MAGIC and is_ref_size(st.st_size):
             return _verify_ref(root, block, fd, st, quarantine)
@@ -262,13 +470,14 @@ def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result,
         return "header", f"reference: {exc}", len(raw), _quarantine(root, block, st.st_ino, "bad reference", quarantine)
     slab_path = os.path.join(os.path.dirname(os.path.dirname(block.path)), SLABS_DIR, ref.slab)
     try:
-        sfd = os.open(slab_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "header", f"slab {ref.slab} is missing", len(raw), _quarantine(
+        sfd, sst = open_regular(slab_path)
+    except (FileNotFoundError, NotRegularFile) as exc:  # a FIFO there no longer hangs verify for ever
+        what = "missing" if isinstance(exc, FileNotFoundError) else "not a regular file"
+        return "header", f"slab {ref.slab} is {what}", len(raw), _quarantine(
             root, block, st.st_ino, "missing slab", quarantine)
     try:
         off = ref.slot * slot_bytes
-        head = _pread_exact(sfd, HEADER_SIZE, off) if off + slot_bytes <= os.fstat(sfd).st_size else b""
+        head = _pread_exact(sfd, HEADER_SIZE, off) if off + slot_bytes <= sst.st_size else b""
         try:
             header = parse_header(head, fingerprint=fingerprint, key=block.key, file_size=slot_bytes)
             if header.created_ns != ref.created_ns:
@@ -360,6 +569,14 @@ def _sizes(paths: Iterable[str]) -> list[int]:
         except FileNotFoundError:
             pass
     return out
+
+
+def _sum(results: list[dict[str, Any]], key: str, sub: str | None = None) -> int:
+    return sum(r[key] if sub is None else r[key][sub] for r in results)
+
+
+def _pairs(values: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(values.items())) or "-"
 
 
 def _human(n: int | None) -> str:

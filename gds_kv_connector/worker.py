@@ -14,7 +14,7 @@ from .keys import PoolGeometry, shard_fingerprint
 from .kv_layout import KvPool, pool_from_layout, pool_from_tensor
 from .llm_config import read_llm_args
 from .local_peer import PeerInfo, register, unregister
-from .metrics import StatsPublisher
+from .metrics import Snapshot, StatsPublisher
 from .metadata import GdsKvMetadata
 from .arena import slab_kind, start_arena
 from .pool import BlockPool
@@ -142,12 +142,16 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.recency.flush()  # not close(): the scheduler of this process shares the log
         return result
 
-    def _snapshot(self) -> dict[str, int]:
-        """Counters for the owner's stats file, with the arena's slot usage when it runs one."""
-        out = self.stats.snapshot()
+    def _snapshot(self) -> Snapshot:
+        """Counters for the owner's stats file, with the arena's numbers when it runs one: its slot
+        and slab holdings are gauges (what this process holds now, which the next process adopts
+        when this one exits), its event counts counters; ``gds-kv stats`` sums the two differently."""
+        counters, gauges = self.stats.snapshot(), {}
         if self.pool is not None and self.pool.arena is not None:
-            out.update({f"arena_{k}": v for k, v in self.pool.arena.usage().items()})
-        return out
+            held = ("owned_slots", "used_slots", "free_slots", "ready_slots", "mapped_slabs")
+            for k, v in self.pool.arena.usage().items():
+                (gauges if k in held else counters)[f"arena_{k}"] = v
+        return Snapshot(counters, gauges)
 
     def _record_event(self, stream: Any) -> Any:
         """An event after all work queued so far on the forward stream; None for a host pool."""

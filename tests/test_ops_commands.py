@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+from gds_kv_connector import cli
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.metrics import StatsPublisher, read_owner_stats, render_prometheus, write_owner_stats
+from gds_kv_connector.metrics import StatsPublisher, read_owner_stats, write_owner_stats
 from gds_kv_connector.ops_commands import (EXIT_OK, EXIT_PROBLEMS, UsageError, format_gc, format_stats,
-                                           format_verify, gc, stats, verify)
+                                           format_verify, gc, pool_roots, stats, verify)
 from gds_kv_connector.pool import TMP_PREFIX, BlockPool
-from gds_kv_connector.pool_format import HEADER_SIZE, ZERO_KEY
+from gds_kv_connector.pool_format import HEADER_SIZE, ZERO_KEY, SlotRef, pack_refs
 from gds_kv_connector.pool_scan import quarantine_dir, scan_pool
 from gds_kv_connector.recency import RecencyLog
 
@@ -50,8 +53,8 @@ def test_stats_counts_blocks_leftovers_and_owner_counters(tmp_path, engine):
     pool_b = fill(root, engine, b"\x02" * 32, 3, "model B tp1")
     open(os.path.join(pool_b.dir_for(key(2, 0)), TMP_PREFIX + "x"), "wb").close()
     open(os.path.join(quarantine_dir(root), "bad.1.x"), "wb").write(b"abc")
-    write_owner_stats(root, "node1-10", {"save_blocks": 4, "load_blocks": 1})
-    write_owner_stats(root, "node2-20", {"save_blocks": 6})
+    write_owner_stats(root, "node1-10", {"save_blocks": 4, "load_blocks": 1}, started_ns=1)
+    write_owner_stats(root, "node2-20", {"save_blocks": 6}, started_ns=2)
     RecencyLog(root, "node1-10", flush_interval_s=0).close()
     result = stats(root)
     assert result["blocks"] == 8 and result["bytes"] == 8 * FILE
@@ -62,7 +65,8 @@ def test_stats_counts_blocks_leftovers_and_owner_counters(tmp_path, engine):
     assert result["quarantine"] == {"files": 1, "bytes": 3}
     assert result["tmp"]["files"] == 1
     assert result["counters_total"] == {"load_blocks": 1, "save_blocks": 10}
-    assert set(result["owners"]) == {"node1-10", "node2-20"}
+    assert set(result["owners"]) == {"node1-10.1", "node2-20.2"}
+    assert [o["owner"] for o in result["owners"].values()] == ["node1-10", "node2-20"]
     json.dumps(result)
     text = format_stats(result)
     assert "8 blocks" in text and "model A tp1" in text and "node2-20" in text
@@ -133,17 +137,6 @@ def test_gc_rejects_bad_arguments(tmp_path, engine):
         gc(str(tmp_path), quota_bytes=10, low_watermark=1.5)
 
 
-def test_prometheus_text_format():
-    text = render_prometheus({"save_blocks": 3, "load-bytes": 10}, {"owner": 'n"1\\x', "root": "/p"})
-    assert text.splitlines() == [
-        "# TYPE gdskv_load_bytes_total counter",
-        'gdskv_load_bytes_total{owner="n\\"1\\\\x",root="/p"} 10',
-        "# TYPE gdskv_save_blocks_total counter",
-        'gdskv_save_blocks_total{owner="n\\"1\\\\x",root="/p"} 3',
-    ]
-    assert render_prometheus({}, None) == ""
-
-
 def test_owner_stats_are_replaced_atomically_and_garbage_is_skipped(tmp_path):
     root = str(tmp_path)
     counters = {"a": 1}
@@ -154,5 +147,166 @@ def test_owner_stats_are_replaced_atomically_and_garbage_is_skipped(tmp_path):
     with open(os.path.join(root, "gdskv-v1", "owners", "junk.stats.json"), "w") as fh:
         fh.write("{not json")
     owners = read_owner_stats(root)
-    assert list(owners) == ["me"] and owners["me"]["counters"] == {"a": 5}
+    mine = f"me.{pub.started_ns}"
+    assert list(owners) == [mine] and owners[mine]["counters"] == {"a": 5} and owners[mine]["final"]
     assert [n for n in os.listdir(os.path.join(root, "gdskv-v1", "owners")) if ".tmp-" in n] == []
+
+
+def fill_roots(roots, engine, firsts: list[int]) -> BlockPool:
+    """A chain of blocks over several roots, the first byte of each key given (it picks the root)."""
+    pool = BlockPool(tuple(map(str, roots)), b"\x09" * 32, PAYLOAD, 16, geometry_note="two roots")
+    keys = [bytes([i]) + bytes(31) for i in firsts]
+    n = len(keys)
+    views = [torch.arange(PAYLOAD, dtype=torch.int64).add(i * 7).to(torch.uint8) for i in range(n)]
+    assert save_blocks(pool, engine, keys, [ZERO_KEY] + keys[:-1], views).published == n
+    return pool
+
+
+def test_every_command_covers_every_root(tmp_path, engine, monkeypatch, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    pool = fill_roots((a, b), engine, list(range(8)))  # the roots take turns: 4 blocks in each
+    corrupt = pool.path_for(bytes([1]) + bytes(31))
+    assert corrupt.startswith(b)
+    with open(corrupt, "r+b") as fh:
+        fh.seek(HEADER_SIZE + 5)
+        fh.write(b"\xff")
+    monkeypatch.setenv("TLLM_GDS_KV_ROOT", f"{a}:{b}")
+    monkeypatch.setenv("TLLM_GDS_KV_EVICT_GRACE_S", "300")
+
+    def run(*argv: str) -> tuple[int, str]:
+        rc = cli.main(list(argv))
+        return rc, capsys.readouterr().out
+
+    rc, out = run("stats", "--json")
+    s = json.loads(out)
+    assert rc == 0 and s["blocks"] == 8 and s["bytes"] == 8 * FILE and s["root"] == f"{a}:{b}"
+    assert [(r["root"], r["blocks"]) for r in s["roots"]] == [(a, 4), (b, 4)]
+    assert s["fingerprints"]["09" * 8]["blocks"] == 8
+    rc, out = run("stats")
+    assert f"pool {b}: 4 blocks" in out and f"\n  {b}: 0909090909090909" in out
+    assert "total over 2 roots: 8 blocks" in out
+    rc, out = run("verify", "--json")
+    v = json.loads(out)
+    assert rc == EXIT_PROBLEMS and v["checked"] == 8 and v["bad"] == 1 and v["exit_code"] == EXIT_PROBLEMS
+    assert [(r["bad"], r["exit_code"]) for r in v["roots"]] == [(0, EXIT_OK), (1, EXIT_PROBLEMS)]
+    assert not os.path.exists(corrupt)
+    rc, out = run("verify")
+    assert rc == EXIT_OK and f"pool {b}: 3 blocks checked" in out and "total over 2 roots: 7 blocks checked" in out
+
+
+def test_gc_takes_every_root_to_its_own_budget(tmp_path, engine, monkeypatch, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    fill_roots((a, b), engine, [0, 2, 4, 6])  # a chain in root a
+    fill_roots((a, b), engine, [1, 3, 5])  # and one in root b
+    monkeypatch.setenv("TLLM_GDS_KV_EVICT_GRACE_S", "300")
+
+    def run(*argv: str) -> tuple[int, str]:
+        rc = cli.main(list(argv))
+        return rc, capsys.readouterr().out
+
+    # each root against its own quota: root a (4 blocks) is over 3 blocks' worth, root b (3) is not
+    quota = str(3 * FILE + 1)
+    rc, out = run("gc", "--root", f"{a}:{b}", "--quota", quota, "--json")  # all within the grace period
+    g = json.loads(out)
+    assert rc == EXIT_PROBLEMS and not g["within_budget"]
+    assert [(r["within_budget"], r["exit_code"]) for r in g["roots"]] == [(False, EXIT_PROBLEMS), (True, EXIT_OK)]
+    monkeypatch.setenv("TLLM_GDS_KV_EVICT_GRACE_S", "0")
+    rc, out = run("gc", "--root", f"{a}:{b}", "--quota", quota)
+    assert rc == EXIT_OK and f"pool {a}: removed 2 blocks" in out and f"pool {b}: removed 0 blocks" in out
+    assert "total over 2 roots: removed 2 blocks" in out
+    rc, out = run("gc", "--root", f"{a}:{b}", "--quota", quota, "--json")
+    g = json.loads(out)
+    assert rc == EXIT_OK and g["within_budget"] and g["evicted_blocks"] == 0
+    assert [r["usage_after"] for r in g["roots"]] == [2 * FILE, 3 * FILE] and g["usage_after"] == 5 * FILE
+    assert len(scan_pool(a).blocks) == 2 and len(scan_pool(b).blocks) == 3
+
+
+def test_pool_roots_takes_each_root_once():
+    assert pool_roots("/p/a::/p/b:/p/a") == ["/p/a", "/p/b"]
+    with pytest.raises(UsageError):
+        pool_roots(":")
+
+
+def test_gc_dry_run_with_max_age_counts_each_block_once(tmp_path, engine):
+    root = str(tmp_path)
+    fill(root, engine, b"\x0a" * 32, 10)
+    later = time.time() + 7200  # every block is two hours old: the expiry step takes them all
+    args = dict(quota_bytes=4 * FILE, low_watermark=0.5, max_age_s=60, grace_s=0, now=later)
+    dry = gc(root, dry_run=True, **args)
+    assert dry["evicted_blocks"] == 10 and dry["evicted_bytes"] == 10 * FILE and dry["usage_after"] == 0
+    assert "would remove 10 blocks" in format_gc(dry) and len(scan_pool(root).blocks) == 10
+    real = gc(root, **args)
+    assert (real["evicted_blocks"], real["usage_after"]) == (dry["evicted_blocks"], dry["usage_after"])
+
+
+def test_gc_dry_run_quota_step_after_expiry_leaves_out_the_expired_blocks(tmp_path, engine):
+    root = str(tmp_path)
+    fill(root, engine, b"\x0b" * 32, 5)  # an old chain
+    fill(root, engine, b"\x0c" * 32, 5)  # a chain used just now (its tail, so all of it)
+    later = time.time() + 7200
+    log = RecencyLog(root, "tester", flush_interval_s=0)
+    log.touch([key(0x0c, 4)], int((later - 10) * 1e9))
+    log.close()
+    args = dict(quota_bytes=3 * FILE, low_watermark=0.5, max_age_s=60, grace_s=0, now=later)
+    dry = gc(root, dry_run=True, **args)
+    assert dry["evicted_blocks"] == 9 and dry["usage_after"] == FILE  # 5 expired, then 4 to reach 1.5 blocks
+    assert [r["reason"] for r in dry["runs"]] == ["age", "quota"] and dry["runs"][1]["estimated"]
+    assert "about 4 blocks" in format_gc(dry)
+    real = gc(root, **args)
+    assert (real["evicted_blocks"], real["usage_after"]) == (9, FILE)
+
+
+@pytest.mark.xfail(strict=True, reason="eviction takes, and so creates, the eviction lock in a dry run too; "
+                                       "needs a change in eviction.py (see the gc docstring)")
+def test_gc_dry_run_changes_nothing_on_disk(tmp_path, engine):
+    root = str(tmp_path)
+    fill(root, engine, b"\x0d" * 32, 6)
+
+    def tree() -> dict[str, int]:
+        return {os.path.join(d, n): os.lstat(os.path.join(d, n)).st_mtime_ns
+                for d, dirs, files in os.walk(root) for n in dirs + files}
+    before = tree()
+    gc(root, quota_bytes=2 * FILE, low_watermark=0.5, max_age_s=60, grace_s=0, dry_run=True, now=time.time() + 30)
+    assert tree() == before
+
+
+def cli_run(root: str, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a child process, so that a hang fails the test instead of stopping the run."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "gds_kv_connector.cli", *args, "--root", root, "--json"],
+                          cwd=repo, capture_output=True, text=True, timeout=30)
+
+
+def test_verify_skips_a_slab_that_is_a_fifo(tmp_path):
+    """open(2) of a FIFO waits for a writer for ever: a reference naming one must not hang verify."""
+    root = str(tmp_path)
+    pool = BlockPool((root,), b"\x0e" * 32, 4096, 16, geometry_note="t")
+    k = key(0x0e, 1)
+    os.makedirs(os.path.join(pool.fp_dirs[0], "slabs"))
+    os.mkfifo(os.path.join(pool.fp_dirs[0], "slabs", "otherhost-1-abc.slab"))
+    os.makedirs(pool.dir_for(k), exist_ok=True)
+    with open(pool.path_for(k), "wb") as fh:
+        fh.write(pack_refs(pool.fingerprint, pool.file_size, "otherhost-1-abc.slab",
+                           [SlotRef(k, "otherhost-1-abc.slab", 0, 1)]))
+    ver = cli_run(root, "verify", "--no-quarantine")
+    v = json.loads(ver.stdout)
+    assert ver.returncode == EXIT_PROBLEMS and v["bad"] == 1
+    assert v["bad_files"][0]["detail"] == "slab otherhost-1-abc.slab is not a regular file"
+
+
+def test_stats_skips_an_owner_stats_file_that_is_a_fifo(tmp_path):
+    root = str(tmp_path)
+    BlockPool((root,), b"\x0f" * 32, 4096, 16, geometry_note="t")
+    os.mkfifo(os.path.join(root, "gdskv-v1", "owners", "x.stats.json"))
+    st = cli_run(root, "stats")
+    assert st.returncode == EXIT_OK and json.loads(st.stdout)["owners"] == {}
+
+
+def test_cli_says_an_os_error_in_one_line(tmp_path, monkeypatch, capsys):
+    import gds_kv_connector.ops_commands as ops
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/pool/gdskv-v1/owners")
+    monkeypatch.setattr(ops, "stats", denied)
+    assert cli.main(["stats", "--root", str(tmp_path)]) == EXIT_PROBLEMS
+    assert capsys.readouterr().err == "gds-kv: Permission denied: /pool/gdskv-v1/owners\n"

@@ -15,7 +15,7 @@ import torch
 
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.ops_commands import gc, stats, verify
+from gds_kv_connector.ops_commands import format_stats, gc, stats, verify
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY, FormatError
 from gds_kv_connector.pool_scan import (quarantine_dir, quarantined_at_ns, read_geometry, read_header,
@@ -69,7 +69,9 @@ def test_unreadable_key_directory_does_not_abort_stats_verify_gc(pool, monkeypat
     """The operator commands run through: gds-kv stats/verify/gc died with a traceback."""
     root = pool.roots[0]
     _failing_scandir(monkeypatch, pool.dir_for(key(1)), PermissionError(errno.EACCES, "Permission denied"))
-    assert stats(root)["blocks"] == 3
+    st = stats(root)
+    assert st["blocks"] == 3 and st["unreadable_entries"] == 1
+    assert "cannot read (not counted): 1" in format_stats(st)
     result = verify(root, workers=2, progress=False)
     assert result["ok"] == 3 and result["bad"] == 0
     assert gc(root, 0, 0.5)["runs"][0]["scanned_blocks"] == 3

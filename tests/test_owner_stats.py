@@ -1,0 +1,108 @@
+"""Owners' stats files: counters summed over every process that published, gauges over live ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+
+from gds_kv_connector.metrics import Snapshot, StatsPublisher, read_owner_stats
+from gds_kv_connector.ops_commands import format_stats, stats
+from gds_kv_connector.pool import BlockPool
+from gds_kv_connector.pool_scan import owners_dir
+from gds_kv_connector.stats import Stats
+
+
+def pool_root(tmp_path) -> str:
+    root = str(tmp_path)
+    BlockPool((root,), b"\x01" * 32, 4096, 16, geometry_note="t")
+    return root
+
+
+def test_gauges_count_for_live_owners_only_and_counters_for_every_owner(tmp_path):
+    root = pool_root(tmp_path)
+    # owner A (an arena of 1000 slots, 800 used) exits; owner B on the same host adopts its slabs
+    a = StatsPublisher([root], "node1-100", lambda: Snapshot(
+        {"blocks_saved": 500, "arena_slabs_created": 4}, {"arena_owned_slots": 1000, "arena_used_slots": 800}),
+        interval_s=3600)
+    a.close()
+    b = StatsPublisher([root], "node1-200", lambda: Snapshot(
+        {"blocks_saved": 20, "arena_slabs_adopted": 4}, {"arena_owned_slots": 1000, "arena_used_slots": 800}),
+        interval_s=3600)
+    b.publish()
+    result = stats(root)
+    assert result["counters_total"] == {"arena_slabs_adopted": 4, "arena_slabs_created": 4, "blocks_saved": 520}
+    assert result["gauges_total"] == {"arena_owned_slots": 1000, "arena_used_slots": 800}
+    assert result["owners_live"] == 1
+    assert [(o["owner"], o["final"], o["live"]) for o in result["owners"].values()] == [
+        ("node1-100", True, False), ("node1-200", False, True)]
+    assert "final" in format_stats(result) and "gauges of the 1 live owner(s) summed" in format_stats(result)
+    # B stops publishing without a final file (killed): after a few intervals it is taken for gone
+    later = stats(root, now=time.time() + 4 * 3600)
+    assert later["gauges_total"] == {} and later["owners_live"] == 0
+    assert later["counters_total"] == result["counters_total"]
+    b.close()
+    with open(a.paths()[0]) as fh:
+        body = json.load(fh)
+    assert body["final"] and body["interval_s"] == 3600 and body["started_ns"] == a.started_ns
+    assert body["gauges"] == {"arena_owned_slots": 1000, "arena_used_slots": 800}
+    assert body["counters"] == {"arena_slabs_created": 4, "blocks_saved": 500}
+
+
+def test_a_restarted_owner_keeps_the_previous_process_counters(tmp_path):
+    """A container restart often brings the same host name and pid, so the same owner id."""
+    root = pool_root(tmp_path)
+    first = StatsPublisher([root], "pod_7-42", lambda: {"blocks_saved": 10_000}, interval_s=3600)
+    first.close()
+    second = StatsPublisher([root], "pod_7-42", lambda: {"blocks_saved": 3}, interval_s=3600)
+    second.publish()
+    assert stats(root)["counters_total"] == {"blocks_saved": 10_003}
+    second.close()
+    assert len(read_owner_stats(root)) == 2
+
+
+def test_stats_files_of_earlier_versions_stay_readable(tmp_path):
+    root = pool_root(tmp_path)
+    with open(os.path.join(owners_dir(root), "old_host-7.stats.json"), "w") as fh:
+        json.dump({"owner": "old_host-7", "host": "old_host", "pid": 7, "updated_ns": time.time_ns(),
+                   "counters": {"blocks_saved": 7}}, fh)
+    o = stats(root)["owners"]["old_host-7"]
+    assert o["counters"] == {"blocks_saved": 7} and o["gauges"] == {} and not o["final"] and o["live"]
+    assert o["invalid"] == []
+
+
+def test_out_of_range_owner_fields_are_dropped_and_named(tmp_path):
+    root = pool_root(tmp_path)
+    d = owners_dir(root)
+    with open(os.path.join(d, "x.stats.json"), "w") as fh:
+        fh.write('{"owner": "x\\ny", "pid": "abc", "updated_ns": 1' + "0" * 400 + ', "interval_s": NaN, '
+                 '"final": "yes", "counters": {"ok": 5, "huge": 1' + "0" * 30 + ', "neg": -1, "flag": true, '
+                 '"f": 1.5}, "gauges": [1]}')
+    result = stats(root)
+    assert list(result["owners"]) == ["x"]
+    o = result["owners"]["x"]
+    assert o["owner"] == "x" and o["counters"] == {"ok": 5} and o["gauges"] == {}
+    assert o["updated_ns"] is None and o["age_s"] is None and o["pid"] is None and not o["final"] and not o["live"]
+    assert o["invalid"] == ["counters.f", "counters.flag", "counters.huge", "counters.neg", "final", "gauges",
+                            "interval_s", "owner", "pid", "updated_ns"]
+    assert result["counters_total"] == {"ok": 5}
+    json.dumps(result, allow_nan=False)
+    assert "ignored invalid counters.f" in format_stats(result)
+    with open(os.path.join(d, "deep.stats.json"), "w") as fh:
+        fh.write("[" * 200_000)  # json recursion, not a ValueError
+    assert list(stats(root)["owners"]) == ["x"]
+
+
+def test_worker_snapshot_publishes_arena_holdings_as_gauges():
+    from gds_kv_connector.worker import GdsKvConnectorWorker
+    usage = {"owned_slots": 10, "used_slots": 4, "free_slots": 6, "ready_slots": 5, "mapped_slabs": 1,
+             "slabs_created": 1, "slabs_adopted": 2}
+    counters = Stats()
+    counters.add("blocks_saved", 3)
+    worker = SimpleNamespace(stats=counters, pool=SimpleNamespace(arena=SimpleNamespace(usage=lambda: usage)))
+    snap = GdsKvConnectorWorker._snapshot(worker)
+    assert snap.gauges == {"arena_owned_slots": 10, "arena_used_slots": 4, "arena_free_slots": 6,
+                           "arena_ready_slots": 5, "arena_mapped_slabs": 1}
+    assert snap.counters == {"blocks_saved": 3, "arena_slabs_created": 1, "arena_slabs_adopted": 2}
+    assert snap["arena_used_slots"] == 4 and snap["blocks_saved"] == 3  # still one mapping to read
