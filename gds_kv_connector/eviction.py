@@ -13,6 +13,12 @@ Rules, and why:
 * Tails before heads: prefix matching stops at the first missing block, so a block whose child
   is still present is only removed after that child, and a parent is as recent as its most
   recent descendant.  Evicting a head first would orphan the whole chain behind it.
+* Arena pools (docs/format.md, "Arena"): a key's name is a reference file, one per save batch,
+  hard-linked under every key of the batch.  Its block's creation time and parent come from the
+  header of the slot it names; its bytes count once, however many keys it is linked under, and
+  are freed when its last name goes; a name is known by inode, mtime and size, since removing
+  another key of the batch changes the ctime every name shows.  Slabs are not counted: they are
+  preallocated, and an evicted block frees its slot for its owner's reuse, not disk space.
 * One plan for the whole pool: with several roots a key lives under root ``key[0] % n``, so a
   chain's blocks are spread over them.  A root planned alone would take a block whose parent is
   in another root for one cut off from its head (and remove it first), and would never see that
@@ -34,15 +40,16 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .pool import _HOST, _pid_alive, _tmp_is_stale
-from .pool_format import ZERO_KEY, FormatError
-from .pool_scan import (BlockFile, PoolScan, layout_dir, open_regular, owners_dir, quarantine_dir,
-                        quarantined_at_ns, read_header, scan_pool)
+from .pool_format import ZERO_KEY, BlockHeader, FormatError, is_ref_size
+from .pool_scan import (BadReference, BlockFile, PoolScan, RefFile, layout_dir, open_regular, owners_dir,
+                        quarantine_dir, quarantined_at_ns, read_published, scan_pool)
 from .recency import RecencyIndex, fold_stale_logs
 
 log = logging.getLogger(__name__)
@@ -58,8 +65,10 @@ OWNER_TMP_KEEP_S = 3_600.0
 FUTURE_TOLERANCE_NS = 86_400 * 10**9  # the bound recency.merge_records puts on access records too
 _FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
-#: header facts of one published file: path -> ((inode, ctime_ns), created_ns, parent key)
-HeaderCache = dict[str, tuple[tuple[int, int], int, bytes]]
+#: header facts of one published file: path -> (identity, created_ns, parent key); the identity is
+#: (inode, ctime_ns) for a block file and BlockFile.file_id, (inode, mtime_ns, size), for an arena
+#: reference file, whose ctime changes whenever another key of its batch is evicted
+HeaderCache = dict[str, tuple[tuple[int, ...], int, bytes]]
 #: a block of the plan: (fingerprint dir, key), the same in every root
 NodeId = tuple[str, bytes]
 
@@ -203,6 +212,7 @@ class _Node:
     dangling: bool = False  # it or an ancestor is an orphan: no lookup can reach it any more
     root: int = 0  # index of its root in the pool's roots
     above: int = 0  # bit i set: an ancestor old enough to evict lives in root i (several roots only)
+    ref: bool = False  # an arena reference file: one name of a file linked under every key of a batch
 
 
 def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int, grace_s: float,
@@ -346,32 +356,46 @@ def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
     A block's recency starts as the newer of its header's ``created_ns`` and its mtime, each
     clamped to ``now_ns`` and ignored when more than :data:`FUTURE_TOLERANCE_NS` ahead of it.
     Clamping alone would not do: every run would find such a block as new as its own now.
+    An arena reference file's header is the one in the slot it names for the key (:class:`_Reader`).
     """
     latest = now_ns + FUTURE_TOLERANCE_NS
     nodes: dict[NodeId, _Node] = {}
-    for ri, scan in scans.items():
-        report = reports[ri]
-        for b in scan.blocks:
-            hit = cache.get(b.path) if cache is not None else None
-            if hit is not None and hit[0] == (b.ino, b.ctime_ns):
-                created, parent = hit[1], hit[2]
-            else:
-                try:
-                    header = read_header(b)
-                except FileNotFoundError:
-                    continue
-                except (OSError, FormatError):
-                    report.unreadable_headers += 1
-                    created, parent = 0, ZERO_KEY
+
+    def add(ri: int, b: BlockFile, ref: bool, created: int, parent: bytes) -> None:
+        published = max(created if created <= latest else 0, b.mtime_ns if b.mtime_ns <= latest else 0)
+        node = _Node(b, min(published, now_ns), None if parent == ZERO_KEY else (b.fp, parent), root=ri, ref=ref)
+        if n_roots > 1 and (b.fp, b.key) in nodes:
+            node = _keep_readable_copy(nodes, node, n_roots)
+        nodes[(b.fp, b.key)] = node
+
+    def read(ri: int, b: BlockFile) -> None:
+        try:
+            ref, created, parent = reader.read(b)
+        except FileNotFoundError:
+            return
+        if parent is None:
+            reports[ri].unreadable_headers += 1
+            parent = ZERO_KEY
+        elif cache is not None:
+            cache[b.path] = (_identity(b, ref), created, parent)
+        add(ri, b, ref, created, parent)
+
+    with _Reader() as reader:
+        for ri, scan in scans.items():
+            # names of a size a reference file can have, by file: the names of one reference file are
+            # read one after another, so that it is parsed and its slab opened once for all of them
+            shared: dict[tuple[int, int, int], list[BlockFile]] = {}
+            for b in scan.blocks:
+                hit = cache.get(b.path) if cache is not None else None
+                if hit is not None and hit[0] == _identity(b, len(hit[0]) == 3):
+                    add(ri, b, len(hit[0]) == 3, hit[1], hit[2])
+                elif is_ref_size(b.size):
+                    shared.setdefault(b.file_id, []).append(b)
                 else:
-                    created, parent = header.created_ns, header.parent_key
-                    if cache is not None:
-                        cache[b.path] = ((b.ino, b.ctime_ns), created, parent)
-            published = max(created if created <= latest else 0, b.mtime_ns if b.mtime_ns <= latest else 0)
-            node = _Node(b, min(published, now_ns), None if parent == ZERO_KEY else (b.fp, parent), root=ri)
-            if n_roots > 1 and (b.fp, b.key) in nodes:
-                node = _keep_readable_copy(nodes, node, n_roots)
-            nodes[(b.fp, b.key)] = node
+                    read(ri, b)
+            for names in shared.values():
+                for b in names:
+                    read(ri, b)
     for n in nodes.values():
         if n.parent is not None:
             if n.parent in nodes:
@@ -380,6 +404,86 @@ def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
                 n.parent, n.orphan = None, True
     _mark_dangling(nodes)
     return nodes
+
+
+def _identity(b: BlockFile, ref: bool) -> tuple[int, ...]:
+    """What tells the scanned file from another one at its name later (see :data:`HeaderCache`)."""
+    return b.file_id if ref else (b.ino, b.ctime_ns)
+
+
+class _Reader:
+    """Reads the header facts of published names for one plan.
+
+    A block file's header is its first page.  An arena reference file names, for each key of its
+    batch, a slot of a slab; the slot holds the block's header, which must be a valid header of that
+    key and of the record the reference names (its ``created``), as :mod:`.ops_commands` verify checks
+    it.  The names of one reference file are read one after another (:func:`_graph` groups them), so
+    the file is parsed once for all its keys and its slab opened once, not once per key.
+    """
+
+    def __init__(self) -> None:
+        self._id: tuple[int, int, int] | None = None  # file_id of the reference file in _ref
+        self._ref: RefFile | None = None
+        self._slab: tuple[int, int] | None = None  # (descriptor, size) of _ref's slab, once opened
+        self._slab_failed = False
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._drop()
+
+    def read(self, b: BlockFile) -> tuple[bool, int, bytes | None]:
+        """(whether ``b`` is a reference file, its block's created_ns, its parent key or None when
+        unreadable); raises FileNotFoundError when the name is gone.  A reference whose slot cannot
+        be read keeps the creation time its entry records."""
+        ref_file = self._ref if self._id == b.file_id else None
+        if ref_file is None:
+            self._drop()
+            try:
+                st, what = read_published(b)
+            except FileNotFoundError:
+                raise
+            except BadReference:
+                return True, 0, None
+            except (OSError, FormatError):
+                return False, 0, None
+            if isinstance(what, BlockHeader):
+                return False, what.created_ns, what.parent_key
+            ref_file = what
+            if b.same_reference(st):  # else the name was replaced since the scan: not for the other names
+                self._id, self._ref = b.file_id, what
+        entry = ref_file.entries.get(b.key)
+        if entry is None:
+            return True, 0, None
+        slab = self._slab_of(b, ref_file)
+        if slab is None:
+            return True, entry.created_ns, None
+        try:
+            _, header = ref_file.slot_header(slab[0], slab[1], b.key)
+        except (OSError, FormatError):
+            return True, entry.created_ns, None
+        return True, header.created_ns, header.parent_key
+
+    def _slab_of(self, b: BlockFile, ref_file: RefFile) -> tuple[int, int] | None:
+        """(descriptor, size) of the slab ``ref_file`` names, opened once per reference file read."""
+        if self._slab is None and not self._slab_failed:
+            try:
+                fd = open_regular(ref_file.slab_path(b))
+            except (OSError, FormatError):  # gone (gc, an operator), or not a regular file
+                self._slab_failed = True
+                return None
+            try:
+                self._slab = (fd, os.fstat(fd).st_size)
+            except OSError:
+                os.close(fd)
+                self._slab_failed = True
+        return self._slab
+
+    def _drop(self) -> None:
+        if self._slab is not None:
+            os.close(self._slab[0])
+        self._id, self._ref, self._slab, self._slab_failed = None, None, None, False
 
 
 def _keep_readable_copy(nodes: dict[NodeId, _Node], node: _Node, n_roots: int) -> _Node:
@@ -473,6 +577,8 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
     """
     short = sum(1 << i for i, r in enumerate(reports) if r.evicted_bytes < r.target_bytes)
     left = {k: n.children for k, n in nodes.items()}
+    # names left of each reference file: its bytes are freed, and counted, when the last one goes
+    names = Counter((n.root, n.block.file_id) for n in nodes.values() if n.ref)
     heap = [(not n.dangling, n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
     heapq.heapify(heap)
     removed: set[str] = set()
@@ -484,12 +590,17 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
         if not (short >> n.root) & 1 and not n.above & short:
             continue  # its root has room, and no root short of room waits for it to go
         report = reports[n.root]
-        if not (dry_run or _unlink_if_same(n.block)):
+        if not (dry_run or (_unlink_if_same(n.block, ref=True) if n.ref else _unlink_if_same(n.block))):
             report.failed += 1
             continue
         removed.add(path)
         report.evicted_blocks += 1
-        report.evicted_bytes += n.block.size
+        if n.ref:
+            names[(n.root, n.block.file_id)] -= 1
+            if names[(n.root, n.block.file_id)] == 0:
+                report.evicted_bytes += n.block.size
+        else:
+            report.evicted_bytes += n.block.size
         if report.evicted_bytes >= report.target_bytes:
             short &= ~(1 << n.root)
         if n.parent is not None:
@@ -500,10 +611,13 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
     return removed
 
 
-def _unlink_if_same(block: BlockFile) -> bool:
-    """Unlink the scanned file, not one republished under its name since the scan."""
+def _unlink_if_same(block: BlockFile, ref: bool = False) -> bool:
+    """Unlink the scanned file, not one republished under its name since the scan.  A reference file
+    (``ref``) is known by inode, mtime and size: removing another of its names, another key of its
+    save batch, changes the ctime that this one shows too."""
     try:
-        if not block.same_file(os.stat(block.path, follow_symlinks=False)):
+        st = os.stat(block.path, follow_symlinks=False)
+        if not (block.same_reference(st) if ref else block.same_file(st)):
             return False
         os.unlink(block.path)
     except FileNotFoundError:

@@ -129,8 +129,9 @@ def _stats_root(root: str, now: float) -> dict[str, Any]:
         entry = per_fp.setdefault(b.fp, {"blocks": 0, "bytes": 0, "geometry": None, "payload_len": None,
                                          "tokens_per_block": None})
         entry["blocks"] += 1
-        entry["bytes"] += b.size
-    for entry in per_fp.values():
+    fp_bytes = scan.bytes_by_fp()  # a reference file linked under many keys counts once
+    for fp, entry in per_fp.items():
+        entry["bytes"] = fp_bytes.get(fp, 0)
         tpb = entry["tokens_per_block"]
         entry["tokens"] = entry["blocks"] * tpb if isinstance(tpb, int) else None
     for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are

@@ -8,12 +8,17 @@ walks, because other owners keep serving from the same directory.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import stat
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .arena import SLABS_DIR
 from .pool import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX, quarantine_name
-from .pool_format import HEADER_SIZE, BlockHeader, FormatError, parse_header
+from .pool_format import (HEADER_SIZE, REF_MAGIC, BlockHeader, FormatError, SlotRef, is_ref_size, parse_header,
+                          parse_refs)
 
 _HEX = frozenset("0123456789abcdef")
 _FP_DIR_LEN = 16
@@ -37,6 +42,19 @@ class BlockFile:
         """True if ``st`` is still the file scanned: inode numbers are reused at once, ctime is not."""
         return st.st_ino == self.ino and st.st_ctime_ns == self.ctime_ns
 
+    @property
+    def file_id(self) -> tuple[int, int, int]:
+        """(inode, mtime, size): what every name of one file shows alike.  An arena reference file is
+        hard-linked under every key of its save batch, and each link or unlink of one of its names
+        changes the ctime all of them show; its mtime never changes once it is published (it is
+        written in full before its first link), and a new file at a reused inode number was written at another time."""
+        return (self.ino, self.mtime_ns, self.size)
+
+    def same_reference(self, st: os.stat_result) -> bool:
+        """:meth:`same_file` for a reference file: true while ``st`` is the file scanned, whatever
+        happened to its other names since."""
+        return (st.st_ino, st.st_mtime_ns, st.st_size) == self.file_id
+
 
 @dataclass
 class PoolScan:
@@ -49,7 +67,35 @@ class PoolScan:
 
     @property
     def block_bytes(self) -> int:
-        return sum(b.size for b in self.blocks)
+        """Bytes of the files under block names, each file once (:func:`unique_bytes`)."""
+        return unique_bytes(self.blocks)
+
+    def bytes_by_fp(self) -> dict[str, int]:
+        """:attr:`block_bytes` per fingerprint directory (a reference file's names are all in one)."""
+        by_fp: dict[str, list[BlockFile]] = {}
+        for b in self.blocks:
+            by_fp.setdefault(b.fp, []).append(b)
+        return {fp: unique_bytes(blocks) for fp, blocks in by_fp.items()}
+
+
+_SIZE = operator.attrgetter("size")
+_FILE_ID = operator.attrgetter("ino", "mtime_ns", "size")  # BlockFile.file_id, made in C
+
+
+def unique_bytes(blocks: Iterable[BlockFile]) -> int:
+    """Bytes of ``blocks`` on disk: an arena reference file, one per save batch hard-linked under every
+    key of the batch, counts once however many of its names are listed (by :attr:`BlockFile.file_id`);
+    a block file, never linked twice, counts its size.  A pool without names of a reference file's
+    size is summed as before; C iterators otherwise (stats and every eviction run sum the pool)."""
+    blocks = blocks if isinstance(blocks, list) else list(blocks)
+    total = sum(map(_SIZE, blocks))
+    ref_sizes = {size for size in set(map(_SIZE, blocks)) if is_ref_size(size)}
+    if not ref_sizes:
+        return total
+    ids = Counter(map(_FILE_ID, blocks))
+    if len(ids) == len(blocks):  # no file listed twice
+        return total
+    return total - sum(size * (n - 1) for (_, _, size), n in ids.items() if n > 1 and size in ref_sizes)
 
 
 def layout_dir(root: str) -> str:
@@ -157,6 +203,73 @@ def read_header(block: BlockFile) -> BlockHeader:
     finally:
         os.close(fd)
     return parse_header(raw, key=block.key, file_size=size)
+
+
+class BadReference(FormatError):
+    """A file with a reference file's size and magic that fails its other checks."""
+
+
+@dataclass(frozen=True)
+class RefFile:
+    """An arena reference file (docs/format.md, "Arena"), parsed and checked against the
+    fingerprint directory it was found in."""
+
+    fingerprint: bytes
+    slot_bytes: int
+    slab: str  # every entry of a reference file names this slab
+    entries: dict[bytes, SlotRef]
+
+    def entry(self, key: bytes) -> SlotRef:
+        ref = self.entries.get(key)
+        if ref is None:
+            raise FormatError("reference file has no entry for its key")
+        return ref
+
+    def slab_path(self, block: BlockFile) -> str:
+        """The slab this reference names, for a reference found at ``block``."""
+        return os.path.join(os.path.dirname(os.path.dirname(block.path)), SLABS_DIR, self.slab)
+
+    def slot_header(self, slab_fd: int, slab_size: int, key: bytes) -> tuple[SlotRef, BlockHeader]:
+        """``key``'s entry and the header of the slot it names in the open slab (``slab_size`` bytes),
+        checked: a valid block header of this fingerprint, key and slot size, of the record the entry
+        names (its ``created``).  Raises FormatError or OSError."""
+        ref = self.entry(key)
+        off = ref.slot * self.slot_bytes
+        raw = os.pread(slab_fd, HEADER_SIZE, off) if off + self.slot_bytes <= slab_size else b""
+        header = parse_header(raw, fingerprint=self.fingerprint, key=key, file_size=self.slot_bytes)
+        if header.created_ns != ref.created_ns:
+            raise FormatError("slot holds another record than its reference names")
+        return ref, header
+
+
+def parse_ref_file(block: BlockFile, raw: bytes) -> RefFile:
+    """Parse the reference file ``raw`` found at ``block``; its fingerprint must be its directory's.
+    Raises :class:`BadReference`."""
+    fingerprint, slot_bytes = raw[16:48], int.from_bytes(raw[48:56], "little")
+    try:
+        if fingerprint.hex()[:len(block.fp)] != block.fp:
+            raise FormatError("fingerprint differs from its directory")
+        entries = parse_refs(raw, fingerprint=fingerprint, slot_bytes=slot_bytes)
+    except FormatError as exc:
+        raise BadReference(str(exc)) from None
+    return RefFile(fingerprint, slot_bytes, next(iter(entries.values())).slab, entries)
+
+
+def read_published(block: BlockFile) -> tuple[os.stat_result, BlockHeader | RefFile]:
+    """What the name of a scanned block holds now, in one open: the header of a block file, checked
+    against its name and size, or an arena reference file (one whose size could be a reference's and
+    which starts with its magic), checked by :func:`parse_ref_file`.  Raises OSError, FormatError
+    (:class:`BadReference` for a damaged reference)."""
+    fd = open_regular(block.path)
+    try:
+        st = os.fstat(fd)
+        ref_size = is_ref_size(st.st_size)
+        raw = os.pread(fd, st.st_size if ref_size else HEADER_SIZE, 0)
+    finally:
+        os.close(fd)
+    if ref_size and raw[:len(REF_MAGIC)] == REF_MAGIC:
+        return st, parse_ref_file(block, raw)
+    return st, parse_header(raw[:HEADER_SIZE], key=block.key, file_size=st.st_size)
 
 
 def read_geometry(root: str, fp: str) -> dict | None:
