@@ -174,7 +174,7 @@ class EvictLock:
 
     def _excl_holder(self) -> dict:
         try:
-            with os.fdopen(open_regular(self.excl_path), "rb") as fh:  # a FIFO there must not hang us
+            with os.fdopen(open_regular(self.excl_path)[0], "rb") as fh:  # a FIFO there must not hang us
                 data = json.loads(fh.read(4096))
         except (OSError, ValueError):
             return {}
@@ -297,7 +297,9 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
     if not live:
         return reports
     with ExitStack() as held:
-        for i in live:
+        # A dry run removes nothing, so it needs no lock (taking one would create locks/ in a
+        # pool it must leave as it found it).
+        for i in ([] if dry_run else live):
             if not held.enter_context(EvictLock(roots[i])).acquire():
                 for report in reports:
                     report.skipped = True
@@ -469,15 +471,11 @@ class _Reader:
         """(descriptor, size) of the slab ``ref_file`` names, opened once per reference file read."""
         if self._slab is None and not self._slab_failed:
             try:
-                fd = open_regular(ref_file.slab_path(b))
-            except (OSError, FormatError):  # gone (gc, an operator), or not a regular file
+                fd, st = open_regular(ref_file.slab_path(b))
+            except OSError:  # gone (gc, an operator), or not a regular file
                 self._slab_failed = True
                 return None
-            try:
-                self._slab = (fd, os.fstat(fd).st_size)
-            except OSError:
-                os.close(fd)
-                self._slab_failed = True
+            self._slab = (fd, st.st_size)
         return self._slab
 
     def _drop(self) -> None:

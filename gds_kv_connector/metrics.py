@@ -18,19 +18,17 @@ Two kinds of number, kept apart in the file because they add up differently:
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .pool import _HOST
-from .pool_scan import owners_dir
+from .pool_scan import open_regular, owners_dir
 
 STATS_SUFFIX = ".stats.json"
 MAX_STATS_FILE_BYTES = 1 << 20  # a bigger file is not one an owner wrote
@@ -39,10 +37,6 @@ MAX_NAME_LEN = 200
 MAX_INTERVAL_S = 1e9  # the bound settings puts on every time setting
 DEFAULT_INTERVAL_S = 10.0  # TLLM_GDS_KV_STATS_INTERVAL_S's default: for files that do not say theirs
 LIVE_INTERVALS = 3  # an owner not heard from for this many intervals is taken for gone
-
-
-class NotRegularFile(OSError):
-    """A name that should be a regular file is something else (a FIFO, a device, a directory)."""
 
 
 class Snapshot(dict):
@@ -86,22 +80,6 @@ def write_owner_stats(root: str, owner_id: str, counters: Mapping[str, int], *,
         os.close(fd)
     os.replace(tmp, path)
     return path
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """A read-only descriptor on ``path`` and its fstat, if it is a regular file; raises OSError
-    (:class:`NotRegularFile` for anything else).  O_NONBLOCK: open(2) of a FIFO planted in the
-    pool waits for a writer for ever without it; it changes nothing for regular files.
-    O_NOFOLLOW: a link could lead out of the pool."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
 
 
 def read_owner_stats(root: str) -> dict[str, dict[str, Any]]:

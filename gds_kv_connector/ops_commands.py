@@ -19,11 +19,11 @@ from typing import Any
 
 from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict_pool, expire_pool
-from .metrics import NotRegularFile, live, open_regular, read_owner_stats
+from .metrics import live, read_owner_stats
 from .arena import SLAB_SUFFIX, SLABS_DIR
 from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header, parse_ref
-from .pool_scan import (BlockFile, fingerprint_dirs, layout_dir, owners_dir, quarantine_destination,
-                        quarantine_dir, read_geometry, scan_pool)
+from .pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, open_regular, owners_dir,
+                        quarantine_destination, quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
 from .slab_gc import remove_orphan_slabs
 
@@ -228,8 +228,7 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
 
     A dry run's quota step plans on the whole pool, blocks the expiry step would remove
     included; it is corrected here (:func:`_after_expiry`) so that no block counts twice.  A dry
-    run removes nothing, but eviction still takes each root's lock for it, which creates
-    ``locks/evict.lock`` in a root that never had an eviction run.
+    run removes and creates nothing (it takes no eviction lock).
     """
     roots = pool_roots(root)
     for r in roots:

@@ -7,6 +7,7 @@ walks, because other owners keep serving from the same directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import operator
 import os
@@ -179,30 +180,35 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
                                 st.st_ctime_ns))
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor on ``path`` if it is a regular file; raises OSError, or FormatError
-    for anything else.  O_NONBLOCK: open(2) of a FIFO planted at the name (or swapped in after a
-    scan) waits for a writer for ever without it, hanging stats, verify or gc; it changes nothing
-    for regular files.  O_NOFOLLOW: a link could lead out of the pool."""
+class NotRegularFile(OSError):
+    """A name that should be a regular file is something else (a FIFO, a device, a directory)."""
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A read-only descriptor on ``path`` and its fstat, if it is a regular file; raises OSError
+    (:class:`NotRegularFile` for anything else).  O_NONBLOCK: open(2) of a FIFO planted at the
+    name (or swapped in after a scan) waits for a writer for ever without it, hanging stats,
+    verify, gc or an evictor holding the pool's lock; it changes nothing for regular files.
+    O_NOFOLLOW: a link could lead out of the pool."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FormatError("not a regular file")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def read_header(block: BlockFile) -> BlockHeader:
     """Parse the header of a scanned block against its name; raises OSError or FormatError."""
-    fd = open_regular(block.path)
+    fd, st = open_regular(block.path)
     try:
         raw = os.pread(fd, HEADER_SIZE, 0)
-        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    return parse_header(raw, key=block.key, file_size=size)
+    return parse_header(raw, key=block.key, file_size=st.st_size)
 
 
 class BadReference(FormatError):
@@ -260,9 +266,8 @@ def read_published(block: BlockFile) -> tuple[os.stat_result, BlockHeader | RefF
     against its name and size, or an arena reference file (one whose size could be a reference's and
     which starts with its magic), checked by :func:`parse_ref_file`.  Raises OSError, FormatError
     (:class:`BadReference` for a damaged reference)."""
-    fd = open_regular(block.path)
+    fd, st = open_regular(block.path)
     try:
-        st = os.fstat(fd)
         ref_size = is_ref_size(st.st_size)
         raw = os.pread(fd, st.st_size if ref_size else HEADER_SIZE, 0)
     finally:
@@ -276,7 +281,7 @@ def read_geometry(root: str, fp: str) -> dict | None:
     """The fingerprint.json an owner wrote for this fingerprint, or None if absent, not a regular
     file, unreadable or garbage."""
     try:
-        fd = open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
+        fd, _ = open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
         with os.fdopen(fd, "rb") as fh:
             data = json.loads(fh.read(1 << 16))
     except (OSError, ValueError):  # FormatError is a ValueError

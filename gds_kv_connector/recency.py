@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from .pool import _HOST
-from .pool_scan import open_regular, owners_dir
+from .pool_scan import NotRegularFile, open_regular, owners_dir
 
 log = logging.getLogger(__name__)
 
@@ -327,8 +327,8 @@ class RecencyIndex:
         for name in names:
             path = os.path.join(self.dir, name)
             try:
-                fd = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
-            except (OSError, ValueError):
+                fd, _ = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
+            except OSError:
                 continue
             try:
                 st = os.fstat(fd)
@@ -451,8 +451,8 @@ def _listdir(d: str) -> list[str]:
 def _read_file(path: str) -> bytes:
     """The file's bytes; none where it is gone or not a regular file (a FIFO must not hang a fold)."""
     try:
-        fd = open_regular(path)
-    except (FileNotFoundError, ValueError):
+        fd, _ = open_regular(path)
+    except (FileNotFoundError, NotRegularFile):
         return b""
     with os.fdopen(fd, "rb") as fh:
         return fh.read()

@@ -327,14 +327,20 @@ def record_unlinks(monkeypatch) -> list[bytes]:
     return order
 
 
-def test_chains_across_roots_are_planned_as_one_pool(tmp_path, monkeypatch):
+def split_chains(tmp_path) -> tuple[list[str], bytes, bytes, bytes, bytes]:
+    """Two roots holding a hot and a cold chain, each with its head in root 0 and its tail in
+    root 1; the hot head was read long ago, so only its tail makes it recent."""
     pool, roots = two_roots(tmp_path)
     hot_head, hot_tail, cold_head, cold_tail = rkey(0, 1), rkey(1, 1), rkey(0, 2), rkey(1, 2)
     for head, tail in ((hot_head, hot_tail), (cold_head, cold_tail)):
         put(pool, head)
         put(pool, tail, parent=head)
-    # the hot head was itself read long ago: it is as recent as its tail, which lives in root 1
     touch_pool(roots, {hot_head: T0, cold_head: T0 + 2, cold_tail: T0 + 3, hot_tail: T0 + 100})
+    return roots, hot_head, hot_tail, cold_head, cold_tail
+
+
+def test_chains_across_roots_are_planned_as_one_pool(tmp_path, monkeypatch):
+    roots, hot_head, hot_tail, cold_head, cold_tail = split_chains(tmp_path)
     order = record_unlinks(monkeypatch)
     reports = evict_pool(roots, quota_bytes=2 * FILE - 8, low_watermark=0.75, min_free_bytes=0, grace_s=1,
                          now=LATER)
@@ -425,12 +431,7 @@ def test_capacity_guard_runs_one_eviction_over_every_root(tmp_path, monkeypatch)
     root, root 0 saw an old head without descendants and removed it)."""
     from gds_kv_connector import capacity
 
-    pool, roots = two_roots(tmp_path)
-    hot_head, hot_tail, cold_head, cold_tail = rkey(0, 1), rkey(1, 1), rkey(0, 2), rkey(1, 2)
-    for head, tail in ((hot_head, hot_tail), (cold_head, cold_tail)):
-        put(pool, head)
-        put(pool, tail, parent=head)
-    touch_pool(roots, {hot_head: T0, cold_head: T0 + 2, cold_tail: T0 + 3, hot_tail: T0 + 100})
+    roots, hot_head, hot_tail, cold_head, cold_tail = split_chains(tmp_path)
     real = capacity.evict_pool
     monkeypatch.setattr(capacity, "evict_pool", lambda *a, **kw: real(*a, now=LATER, **kw))
     order = record_unlinks(monkeypatch)

@@ -256,8 +256,6 @@ def test_gc_dry_run_quota_step_after_expiry_leaves_out_the_expired_blocks(tmp_pa
     assert (real["evicted_blocks"], real["usage_after"]) == (9, FILE)
 
 
-@pytest.mark.xfail(strict=True, reason="eviction takes, and so creates, the eviction lock in a dry run too; "
-                                       "needs a change in eviction.py (see the gc docstring)")
 def test_gc_dry_run_changes_nothing_on_disk(tmp_path, engine):
     root = str(tmp_path)
     fill(root, engine, b"\x0d" * 32, 6)

@@ -17,9 +17,9 @@ from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.ops_commands import format_stats, gc, stats, verify
 from gds_kv_connector.pool import BlockPool
-from gds_kv_connector.pool_format import ZERO_KEY, FormatError
-from gds_kv_connector.pool_scan import (quarantine_dir, quarantined_at_ns, read_geometry, read_header,
-                                        scan_pool)
+from gds_kv_connector.pool_format import ZERO_KEY
+from gds_kv_connector.pool_scan import (NotRegularFile, quarantine_dir, quarantined_at_ns, read_geometry,
+                                        read_header, scan_pool)
 
 FP = b"\x22" * 32
 PAYLOAD = 4096
@@ -234,12 +234,13 @@ def test_linked_fingerprint_json_is_not_followed(pool, tmp_path):
 
 
 def test_block_swapped_for_a_fifo_after_the_scan_is_not_waited_on(pool):
-    """gc reads headers of scanned blocks; one replaced by a FIFO meanwhile is a bad header, not a hang."""
+    """gc reads headers of scanned blocks; one replaced by a FIFO meanwhile is an unreadable header
+    (an OSError, as eviction counts it), not a hang."""
     block = next(b for b in scan_pool(pool.roots[0]).blocks if b.key == key(0))
     assert read_header(block).key == key(0)
     os.unlink(block.path)
     os.mkfifo(block.path)
-    with pytest.raises(FormatError):
+    with pytest.raises(NotRegularFile):
         _returns(lambda: read_header(block), block.path)
 
 
