@@ -22,6 +22,7 @@ from .stats import Stats
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 60.0
+CLOSE_WAIT_S = 10.0  # how long shutdown waits for an eviction run in progress
 SLICE_FRACTION = 0.05  # of the quota written since the last run triggers the next one
 MIN_FREE_SLICE_FRACTION = 0.25  # of min_free_bytes, when there is no quota
 
@@ -81,11 +82,17 @@ class CapacityGuard:
         self._wake.set()
         return self._idle.wait(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop the evictor, waiting at most ``timeout`` for a run in progress: a run scans the whole
+        pool (minutes on a large shared filesystem), and shutdown must not wait for it.  A run left
+        going is a daemon thread; its locks die with the process."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("gds-kv: an eviction run is still going after %.0f s; shutdown does not wait for it",
+                            timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():

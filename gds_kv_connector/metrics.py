@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .atomic_file import atomic_write
 from .pool import _HOST
 from .pool_scan import open_regular, owners_dir
 
@@ -72,13 +72,7 @@ def write_owner_stats(root: str, owner_id: str, counters: Mapping[str, int], *,
                        "updated_ns": time.time_ns(), "interval_s": interval_s, "final": final,
                        "counters": {str(k): int(v) for k, v in counters.items()},
                        "gauges": {str(k): int(v) for k, v in (gauges or {}).items()}}, sort_keys=True)
-    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-    try:
-        os.write(fd, body.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, body.encode())  # a short write no longer replaces good stats with half a file
     return path
 
 

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from .atomic_file import atomic_write, pwrite_all
 from .pool import _HOST
 from .pool_scan import NotRegularFile, open_regular, owners_dir
 
@@ -255,7 +256,7 @@ class _OwnerLog:
             if self.fd < 0:
                 self._open()
             try:
-                _pwrite_all(self.fd, data, self.size)
+                pwrite_all(self.fd, data, self.size)
             except OSError as exc:
                 if exc.errno != errno.ESTALE:
                     raise
@@ -271,7 +272,7 @@ class _OwnerLog:
         """Rewrite the log as one record per key, newest keys first if still too large."""
         latest = merge_records(_read_file(self.path))
         keep = sorted(latest.items(), key=lambda kv: kv[1], reverse=True)[:max(1, target_bytes // RECORD.size)]
-        _atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
+        atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
         self.close()
 
     def close(self) -> None:
@@ -427,7 +428,7 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, 
         # Nothing folded and few keys to drop: a rewrite is a new inode that every owner's index
         # then reads whole again, on every eviction run.
         return 0
-    _atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in kept.items()))
+    atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in kept.items()))
     for path in taken:
         try:
             os.unlink(path)
@@ -456,26 +457,6 @@ def _read_file(path: str) -> bytes:
         return b""
     with os.fdopen(fd, "rb") as fh:
         return fh.read()
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-    try:
-        _pwrite_all(fd, data, 0)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwrite made no progress")
-        done += n
 
 
 def _pread_all(fd: int, n: int, offset: int) -> bytes:

@@ -465,3 +465,29 @@ def test_a_long_lived_recency_index_forgets_evicted_blocks(tmp_path):
         assert rep.evicted_blocks > 0
         assert len(index.latest) <= rep.scanned_blocks
     assert len(index.latest) < 40  # 100 keys were touched over the rounds
+
+
+def test_closing_the_capacity_guard_does_not_wait_for_a_long_run(tmp_path, monkeypatch):
+    """Shutdown joined the evictor without a limit: a run scanning a large shared pool held it."""
+    import threading
+
+    from gds_kv_connector import capacity
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow_run(*a, **kw):
+        started.set()
+        release.wait(30)
+        return []
+    monkeypatch.setattr(capacity, "evict_pool", slow_run)
+    guard = CapacityGuard([str(tmp_path)], quota_bytes=10 * FILE, low_watermark=0.5, min_free_bytes=0,
+                          grace_s=1, check_interval_s=3600)
+    try:
+        guard.note_saved(10 * FILE)
+        assert started.wait(10)
+        t0 = time.monotonic()
+        guard.close(timeout=0.2)
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()

@@ -106,3 +106,32 @@ def test_worker_snapshot_publishes_arena_holdings_as_gauges():
                            "arena_ready_slots": 5, "arena_mapped_slabs": 1}
     assert snap.counters == {"blocks_saved": 3, "arena_slabs_created": 1, "arena_slabs_adopted": 2}
     assert snap["arena_used_slots"] == 4 and snap["blocks_saved"] == 3  # still one mapping to read
+
+
+def test_a_failed_stats_write_keeps_the_last_good_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """A short write (a nearly full disk) used to replace an owner's good stats file with half a
+    JSON document, and the owner vanished from `gds-kv stats`."""
+    import errno
+
+    import pytest
+
+    from gds_kv_connector import atomic_file
+    from gds_kv_connector.metrics import write_owner_stats
+
+    root = str(tmp_path)
+    path = write_owner_stats(root, "me", {"save_blocks": 1}, started_ns=1)
+    good = open(path, "rb").read()
+    calls = []
+
+    def short_then_full(fd, data, offset):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return os.write(fd, bytes(data[:5]))  # a short write: the loop carries on
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic_file.os, "pwrite", short_then_full)
+    with pytest.raises(OSError):
+        write_owner_stats(root, "me", {"save_blocks": 2}, started_ns=1)
+    assert len(calls) == 2
+    assert open(path, "rb").read() == good
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]

@@ -182,7 +182,7 @@ def _failing_writes(monkeypatch, errno_: int = errno.ENOSPC, times: int | None =
                     only_fd: Callable[[], int] | None = None, during: Callable[[], None] | None = None) -> list[int]:
     """Make access-log writes fail with ``errno_`` (``times`` times, or always; only to the fd
     ``only_fd()`` if given), calling ``during`` inside each failing write; returns the attempts."""
-    real = recency._pwrite_all
+    real = recency.pwrite_all
     attempts: list[int] = []
 
     def pwrite(fd: int, data: bytes, offset: int) -> None:
@@ -195,7 +195,7 @@ def _failing_writes(monkeypatch, errno_: int = errno.ENOSPC, times: int | None =
             during()
         raise OSError(errno_, os.strerror(errno_))
 
-    monkeypatch.setattr(recency, "_pwrite_all", pwrite)
+    monkeypatch.setattr(recency, "pwrite_all", pwrite)
     return attempts
 
 
@@ -304,14 +304,14 @@ def test_a_promise_written_while_its_log_is_folded_is_not_lost(tmp_path, monkeyp
     idle.touch([key(1)], NOW - 7200 * 10**9)
     idle.flush()
     os.utime(os.path.join(owners_dir(root), "idle.access"), (time.time() - 7200,) * 2)
-    real = recency._atomic_write
+    real = recency.atomic_write
 
     def archive_write(path: str, data: bytes) -> None:
         idle.promise([key(2)])
         assert idle.flush() == 1
         real(path, data)
 
-    monkeypatch.setattr(recency, "_atomic_write", archive_write)
+    monkeypatch.setattr(recency, "atomic_write", archive_write)
     assert fold_stale_logs(root, [key(1), key(2)], older_than_s=3600) == 1
     assert key(2) in load_recency(root)
     assert sorted(os.listdir(owners_dir(root))) == [ARCHIVE_NAME, "idle.access"]
@@ -329,7 +329,7 @@ def test_a_log_taken_by_a_failed_fold_stays_visible_until_the_next_fold(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(recency, "_atomic_write", disk_full)
+        mp.setattr(recency, "atomic_write", disk_full)
         with pytest.raises(OSError):
             fold_stale_logs(root, [key(1)], older_than_s=3600)
     assert [n for n in os.listdir(owners_dir(root)) if not n.startswith("dead.access.fold-")] == []
