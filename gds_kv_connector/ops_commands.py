@@ -21,9 +21,9 @@ from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict_pool, expire_pool
 from .metrics import live, read_owner_stats
 from .arena import SLAB_SUFFIX, SLABS_DIR
-from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header, parse_ref
+from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header
 from .pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, open_regular, owners_dir,
-                        quarantine_destination, quarantine_dir, read_geometry, scan_pool)
+                        parse_ref_file, quarantine_destination, quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
 from .slab_gc import remove_orphan_slabs
 
@@ -459,39 +459,35 @@ def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str
 
 def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result,
                 quarantine: bool) -> tuple[str, str, int, str | None]:
-    """An arena reference: check it, then the slab slot it names, like a block file."""
+    """An arena reference: check it, then the slab slot it names, like a block file (the checks
+    eviction reads a reference's recency through: :class:`~.pool_scan.RefFile`)."""
     raw = _pread_exact(fd, st.st_size, 0)
-    fingerprint, slot_bytes = raw[16:48], int.from_bytes(raw[48:56], "little")
     try:
-        if fingerprint.hex()[:len(block.fp)] != block.fp:
-            raise FormatError("fingerprint differs from its directory")
-        ref = parse_ref(raw, key=block.key, fingerprint=fingerprint, slot_bytes=slot_bytes)
+        ref_file = parse_ref_file(block, raw)
+        ref_file.entry(block.key)
     except FormatError as exc:
         return "header", f"reference: {exc}", len(raw), _quarantine(root, block, st.st_ino, "bad reference", quarantine)
-    slab_path = os.path.join(os.path.dirname(os.path.dirname(block.path)), SLABS_DIR, ref.slab)
     try:
-        sfd, sst = open_regular(slab_path)
+        sfd, sst = open_regular(ref_file.slab_path(block))
     except (FileNotFoundError, NotRegularFile) as exc:  # a FIFO there no longer hangs verify for ever
         what = "missing" if isinstance(exc, FileNotFoundError) else "not a regular file"
-        return "header", f"slab {ref.slab} is {what}", len(raw), _quarantine(
+        return "header", f"slab {ref_file.slab} is {what}", len(raw), _quarantine(
             root, block, st.st_ino, "missing slab", quarantine)
     try:
-        off = ref.slot * slot_bytes
-        head = _pread_exact(sfd, HEADER_SIZE, off) if off + slot_bytes <= sst.st_size else b""
         try:
-            header = parse_header(head, fingerprint=fingerprint, key=block.key, file_size=slot_bytes)
-            if header.created_ns != ref.created_ns:
-                raise FormatError("slot holds another record than its reference names")
+            ref, header = ref_file.slot_header(sfd, sst.st_size, block.key)
         except FormatError as exc:
-            return "header", f"slot {ref.slab}#{ref.slot}: {exc}", len(raw) + len(head), _quarantine(
+            ref = ref_file.entries[block.key]
+            return "header", f"slot {ref.slab}#{ref.slot}: {exc}", len(raw) + HEADER_SIZE, _quarantine(
                 root, block, st.st_ino, "bad slot", quarantine)
+        off = ref.slot * ref_file.slot_bytes
         payload = _pread_exact(sfd, header.payload_len, off + HEADER_SIZE)
         got = checksum_bytes(payload)
+        read = len(raw) + HEADER_SIZE + len(payload)
         if got != header.checksum:
             return ("checksum", f"slot {ref.slab}#{ref.slot}: header {header.checksum:#018x}, data {got:#018x}",
-                    len(raw) + len(head) + len(payload), _quarantine(root, block, st.st_ino, "checksum mismatch",
-                                                                     quarantine))
-        return "ok", "", len(raw) + len(head) + len(payload), None
+                    read, _quarantine(root, block, st.st_ino, "checksum mismatch", quarantine))
+        return "ok", "", read, None
     finally:
         os.close(sfd)
 

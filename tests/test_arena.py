@@ -533,6 +533,16 @@ def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
     r = verify(shm_root, workers=2, progress=False)
     assert (r["ok"], r["reasons"], r["quarantined"]) == (3, {"checksum": 1}, 1)
     assert not os.path.exists(a.path_for(keys[2])) and os.path.exists(a.path_for(keys[1]))
+    _flip(a.arena, a.arena.cached_ref(keys[0]), 3)  # the slot's header magic
+    r = verify(shm_root, workers=2, progress=False)
+    assert (r["ok"], r["reasons"]) == (2, {"header": 1})
+    (bad,) = r["bad_files"]
+    assert bad["detail"].startswith("slot ") and "#" in bad["detail"] and not os.path.exists(a.path_for(keys[0]))
+    slab = a.arena.cached_ref(keys[1]).slab
+    os.unlink(os.path.join(a.arena.dir, slab))
+    r = verify(shm_root, workers=2, progress=False)
+    assert (r["ok"], r["reasons"]) == (0, {"header": 2})
+    assert all(f["detail"] == f"slab {slab} is missing" for f in r["bad_files"])
     a.arena.close()
 
 
