@@ -574,6 +574,9 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
     from being evicted, and keeping that tail would make the short root evict newer blocks.
     """
     short = sum(1 << i for i, r in enumerate(reports) if r.evicted_bytes < r.target_bytes)
+    # A root short of free space alone (no quota over) gains nothing from a reference name going:
+    # its bytes are an arena slot, preallocated; removing them all would only empty the cache.
+    space_only = sum(1 << i for i, r in enumerate(reports) if r.reason == "min_free")
     left = {k: n.children for k, n in nodes.items()}
     # names left of each reference file: its bytes are freed, and counted, when the last one goes
     names = Counter((n.root, n.block.file_id) for n in nodes.values() if n.ref)
@@ -587,6 +590,8 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
         n = nodes[k]
         if not (short >> n.root) & 1 and not n.above & short:
             continue  # its root has room, and no root short of room waits for it to go
+        if n.ref and (space_only >> n.root) & 1:
+            continue
         report = reports[n.root]
         if not (dry_run or (_unlink_if_same(n.block, ref=True) if n.ref else _unlink_if_same(n.block))):
             report.failed += 1

@@ -155,3 +155,21 @@ def test_a_damaged_slot_header_makes_only_its_key_unreadable(shm_root, engine):
     rep = evict(shm_root, quota_bytes=1, low_watermark=0.5, min_free_bytes=0, grace_s=0, now=LATER, dry_run=True)
     assert rep.unreadable_headers == 1 and rep.evicted_blocks == 4
     a.arena.close()
+
+
+def test_short_of_free_space_alone_an_arena_keeps_its_references(shm_root, engine):
+    """A reference name holds an arena slot, preallocated: removing it frees no disk.  A root short
+    of free space (TLLM_GDS_KV_MIN_FREE_BYTES) with no quota over used to lose every reference,
+    emptying the cache for nothing; block files (arena fallbacks) still go."""
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    keys = _keys(3, b"space")
+    d = _data(3, 3)
+    out = save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    assert (out.published, out.arena_fallback) == (3, 1)
+    huge = 1 << 62  # more free space than any filesystem has: the root is always short
+    rep = evict(shm_root, quota_bytes=0, low_watermark=0.9, min_free_bytes=huge, grace_s=0, now=LATER)
+    assert rep.reason == "min_free" and rep.evicted_blocks == 1 and rep.evicted_bytes == a.file_size
+    assert len(scan_pool(shm_root).blocks) == 2  # the two references stay
+    rep = evict(shm_root, quota_bytes=1, low_watermark=0.5, min_free_bytes=huge, grace_s=0, now=LATER)
+    assert rep.reason == "quota+min_free" and len(scan_pool(shm_root).blocks) == 0  # over quota: they go
+    a.arena.close()
