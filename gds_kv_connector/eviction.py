@@ -124,7 +124,10 @@ class EvictLock:
 
     def acquire(self) -> bool:
         _mkdir_like_parent(self.dir)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, _file_mode(self.dir))
+        # read-only is enough for flock, and works for every member of a shared group whatever
+        # the creator's umask left of the file's mode
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     _file_mode(self.dir))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -241,16 +244,16 @@ def evict_pool(roots: Sequence[str], quota_bytes: int, low_watermark: float, min
     read-only look at the others, is what lets a run remove a chain's tail in one root before
     its head in another: only the holder of a root's lock removes blocks there.
     """
-    def plan(report: EvictionReport, free: int) -> int:
-        usage, to_free, reasons = report.scanned_bytes, 0, []
+    def plan(report: EvictionReport, free: int) -> tuple[int, int]:
+        usage, by_quota, by_space, reasons = report.scanned_bytes, 0, 0, []
         if quota_bytes and usage > quota_bytes:
-            to_free = usage - int(low_watermark * quota_bytes)
+            by_quota = usage - int(low_watermark * quota_bytes)
             reasons.append("quota")
         if min_free_bytes and 0 <= free < min_free_bytes:
-            to_free = max(to_free, int(min_free_bytes / low_watermark) - free)
+            by_space = int(min_free_bytes / low_watermark) - free
             reasons.append("min_free")
         report.reason = "+".join(reasons)
-        return to_free
+        return by_quota, by_space
 
     return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(grace_s * 1e9))
 
@@ -271,29 +274,32 @@ def expire_pool(roots: Sequence[str], max_age_s: float, now: float | None = None
                 header_cache: HeaderCache | None = None,
                 recency: Sequence[RecencyIndex] | None = None) -> list[EvictionReport]:
     """:func:`expire` every root of one pool in one run (arguments as for :func:`evict_pool`)."""
-    def plan(report: EvictionReport, free: int) -> int:
+    def plan(report: EvictionReport, free: int) -> tuple[int, int]:
         report.reason = "age"
-        return report.scanned_bytes
+        return report.scanned_bytes, 0
 
     return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1)
 
 
 def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache: HeaderCache | None,
-         recency: Sequence[RecencyIndex] | None, plan: Callable[[EvictionReport, int], int],
+         recency: Sequence[RecencyIndex] | None, plan: Callable[[EvictionReport, int], tuple[int, int]],
          min_age_ns: int) -> list[EvictionReport]:
     """Lock every root, scan, remove what ``plan`` asks of each root (blocks at least
-    ``min_age_ns`` old), tidy up.
+    ``min_age_ns`` old), tidy up.  ``plan`` gives a root's bytes to free for its own budget and
+    for its filesystem's free space; roots on one filesystem share the latter (each takes a part
+    in proportion to its usage), since what one frees, the others' filesystem gains.
 
     The locks are tried without waiting, in the pool's order of roots, and the run is skipped
     unless it holds all of them: never waiting means no deadlock, and the same order for every
-    owner means two of them meet at the first root, where one goes ahead.
+    owner means two of them meet at the first root, where one goes ahead.  Roots naming one
+    directory (a repeated path, a link) are planned once, under the first name.
     """
     if recency is not None and len(recency) != len(roots):
         raise ValueError(f"{len(recency)} recency index(es) for {len(roots)} root(s)")
     t0 = time.monotonic()
     now = time.time() if now is None else now
     reports = [EvictionReport(os.path.abspath(r), dry_run=dry_run) for r in roots]
-    live = [i for i, r in enumerate(roots) if os.path.isdir(layout_dir(r))]
+    live = _distinct_roots(roots, reports)
     if not live:
         return reports
     with ExitStack() as held:
@@ -305,28 +311,34 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
                     report.skipped = True
                 return reports
         scans = {i: scan_pool(roots[i]) for i in live}
-        for i, scan in scans.items():
+        # Part of the pool could not be read: a block there may be another's parent, and its access
+        # records must not be forgotten; nothing is taken for cut off, and nothing forgotten.
+        blind = any(scan.unreadable for scan in scans.values())
+        parts = {i: plan(_scanned(reports[i], scan, roots[i]), reports[i].free_bytes) for i, scan in scans.items()}
+        space_share = _space_shares(roots, scans)
+        ref_budget = [0] * len(roots)  # bytes reference names may free: a budget's, never free space's
+        for i, (by_quota, by_space) in parts.items():
             report = reports[i]
-            report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
-            report.free_bytes = _free_bytes(roots[i])
-            report.target_bytes = max(0, plan(report, report.free_bytes))
+            report.target_bytes = max(0, by_quota, int(by_space * space_share[i]))
+            ref_budget[i] = max(0, by_quota)
             if not report.target_bytes:
                 report.reason = ""
         removed: set[str] = set()
         if any(report.target_bytes for report in reports):
             now_ns = int(now * 1e9)
-            nodes = _graph(len(roots), scans, header_cache, reports, now_ns)
+            nodes = _graph(len(roots), scans, header_cache, reports, now_ns, blind)
             indexes = recency or [RecencyIndex(r) for r in roots]
             _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
             for i, scan in scans.items():  # a long-lived index forgets blocks gone before this scan
-                indexes[i].retain((b.key for b in scan.blocks), now_ns)
+                if not blind:
+                    indexes[i].retain((b.key for b in scan.blocks), now_ns)
             newest_ns = now_ns - min_age_ns
             for n in nodes.values():
                 if n.recency > newest_ns:
                     reports[n.root].protected_blocks += 1
             if len(roots) > 1:
                 _mark_ancestor_roots(nodes, newest_ns)
-            removed = _peel(nodes, reports, newest_ns, dry_run)
+            removed = _peel(nodes, reports, newest_ns, dry_run, ref_budget)
         if header_cache is not None:
             kept = {b.path for scan in scans.values() for b in scan.blocks} - removed
             for path in set(header_cache) - kept:
@@ -338,8 +350,9 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
                                          and _unlink_quiet(p))
                 report.quarantine_removed = _expire_quarantine(root, now)
                 _tidy_owners(root, now)
-                report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
-                                                     LOG_FOLD_AGE_S, now)
+                if not blind:  # a fold keeps the records of the blocks it is told of, and no others
+                    report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
+                                                         LOG_FOLD_AGE_S, now)
     duration = time.monotonic() - t0
     for report in reports:
         report.duration_s = duration
@@ -350,8 +363,54 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
     return reports
 
 
+def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> list[int]:
+    """Indexes of the roots with a pool, one per directory: a root naming the directory of an
+    earlier one (a repeated path, a link) is left out and reported skipped, since locking one
+    directory twice from one process fails and would skip every run."""
+    seen: dict[tuple[int, int], int] = {}
+    live = []
+    for i, r in enumerate(roots):
+        try:
+            st = os.stat(layout_dir(r))
+        except OSError:
+            continue
+        first = seen.setdefault((st.st_dev, st.st_ino), i)
+        if first != i:
+            reports[i].skipped = True
+            log.warning("pool root %s names the directory of root %s: planned once, under the latter", r,
+                        roots[first])
+            continue
+        live.append(i)
+    return live
+
+
+def _scanned(report: EvictionReport, scan: PoolScan, root: str) -> EvictionReport:
+    """``report`` with the scan's usage and the root's free space filled in."""
+    report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
+    report.free_bytes = _free_bytes(root)
+    return report
+
+
+def _space_shares(roots: tuple[str, ...], scans: dict[int, PoolScan]) -> dict[int, float]:
+    """Each root's part of its filesystem's free-space shortfall: roots on one filesystem split it
+    by usage (one root alone takes all of it), so that together they free it once, not once each."""
+    by_fs: dict[int, list[int]] = {}
+    for i in scans:
+        try:
+            dev = os.stat(roots[i]).st_dev
+        except OSError:
+            dev = -1 - i  # cannot tell: a filesystem of its own
+        by_fs.setdefault(dev, []).append(i)
+    shares: dict[int, float] = {}
+    for members in by_fs.values():
+        total = sum(scans[i].block_bytes for i in members)
+        for i in members:
+            shares[i] = scans[i].block_bytes / total if total else 1.0 / len(members)
+    return shares
+
+
 def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
-           reports: list[EvictionReport], now_ns: int) -> dict[NodeId, _Node]:
+           reports: list[EvictionReport], now_ns: int, blind: bool = False) -> dict[NodeId, _Node]:
     """Nodes of every root keyed by (fingerprint dir, key), with parent links across roots; a
     garbage header has no parent.
 
@@ -402,8 +461,8 @@ def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
         if n.parent is not None:
             if n.parent in nodes:
                 nodes[n.parent].children += 1
-            else:
-                n.parent, n.orphan = None, True
+            else:  # gone; or, with part of the pool unread (``blind``), perhaps only not seen
+                n.parent, n.orphan = None, not blind
     _mark_dangling(nodes)
     return nodes
 
@@ -502,15 +561,17 @@ def _mark_dangling(nodes: dict[NodeId, _Node]) -> None:
     known: dict[NodeId, bool] = {}
     for start in nodes:
         walk: list[NodeId] = []
+        on_walk: set[NodeId] = set()  # a set beside the list: chains run to thousands of blocks
         cur = start
         while cur not in known:
             n = nodes[cur]
             if n.parent is None:
                 known[cur] = n.orphan
-            elif cur in walk:
+            elif cur in on_walk:
                 known[cur] = True  # a cycle only garbage headers can make
             else:
                 walk.append(cur)
+                on_walk.add(cur)
                 cur = n.parent
         for k in walk:
             known[k] = known[cur]
@@ -564,7 +625,7 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node], newest_ns: int) -> None:
 
 
 def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: int,
-          dry_run: bool) -> set[str]:
+          dry_run: bool, ref_budget: list[int]) -> set[str]:
     """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
     a parent becomes a leaf once all its children are gone, and nothing newer than ``newest_ns``
     goes.
@@ -574,9 +635,6 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
     from being evicted, and keeping that tail would make the short root evict newer blocks.
     """
     short = sum(1 << i for i, r in enumerate(reports) if r.evicted_bytes < r.target_bytes)
-    # A root short of free space alone (no quota over) gains nothing from a reference name going:
-    # its bytes are an arena slot, preallocated; removing them all would only empty the cache.
-    space_only = sum(1 << i for i, r in enumerate(reports) if r.reason == "min_free")
     left = {k: n.children for k, n in nodes.items()}
     # names left of each reference file: its bytes are freed, and counted, when the last one goes
     names = Counter((n.root, n.block.file_id) for n in nodes.values() if n.ref)
@@ -590,7 +648,9 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
         n = nodes[k]
         if not (short >> n.root) & 1 and not n.above & short:
             continue  # its root has room, and no root short of room waits for it to go
-        if n.ref and (space_only >> n.root) & 1:
+        if n.ref and reports[n.root].evicted_bytes >= ref_budget[n.root]:
+            # free space gains nothing from a reference name going (its block is a preallocated
+            # arena slot): references go towards a root's own budget only, never to free space
             continue
         report = reports[n.root]
         if not (dry_run or (_unlink_if_same(n.block, ref=True) if n.ref else _unlink_if_same(n.block))):

@@ -170,6 +170,22 @@ def test_short_of_free_space_alone_an_arena_keeps_its_references(shm_root, engin
     rep = evict(shm_root, quota_bytes=0, low_watermark=0.9, min_free_bytes=huge, grace_s=0, now=LATER)
     assert rep.reason == "min_free" and rep.evicted_blocks == 1 and rep.evicted_bytes == a.file_size
     assert len(scan_pool(shm_root).blocks) == 2  # the two references stay
-    rep = evict(shm_root, quota_bytes=1, low_watermark=0.5, min_free_bytes=huge, grace_s=0, now=LATER)
-    assert rep.reason == "quota+min_free" and len(scan_pool(shm_root).blocks) == 0  # over quota: they go
+    a.arena.close()
+
+
+def test_over_quota_and_short_of_space_references_go_only_for_the_quota(shm_root, engine):
+    """Over quota by a byte while also short of free space: the run took the free-space target and
+    removed every reference chasing it, though only the quota's one reference file had to go."""
+    a = _pool(shm_root, engine, 32, per_slab=32)
+    for i in range(4):
+        keys = _keys(4, b"b%d" % i)
+        d = _data(4, i + 1)
+        out = save_blocks(a, engine, keys, [ZERO_KEY] + keys[:-1], [d[j] for j in range(4)])
+        assert (out.published, out.arena_fallback) == (4, 0)
+    usage = scan_pool(shm_root).block_bytes
+    assert usage == 4 * _ref_size(4)
+    rep = evict(shm_root, quota_bytes=usage - 1, low_watermark=0.99, min_free_bytes=1 << 62, grace_s=0, now=LATER)
+    assert rep.reason == "quota+min_free"
+    assert (rep.evicted_blocks, rep.evicted_bytes) == (4, _ref_size(4))  # one reference file's names
+    assert len(scan_pool(shm_root).blocks) == 12
     a.arena.close()

@@ -491,3 +491,78 @@ def test_closing_the_capacity_guard_does_not_wait_for_a_long_run(tmp_path, monke
         assert time.monotonic() - t0 < 5
     finally:
         release.set()
+
+
+def test_roots_on_one_filesystem_free_its_shortfall_once(tmp_path, monkeypatch):
+    """Two roots on one filesystem short of min_free by 5 blocks: each planned the whole shortfall,
+    and together they removed twice what was needed."""
+    pool, roots = two_roots(tmp_path)
+    for r in range(2):
+        for i in range(10):
+            put(pool, rkey(r, i))
+    capacity_bytes = 28 * FILE  # 20 blocks used: 8 blocks free
+
+    def free(root):
+        return capacity_bytes - sum(scan_pool(r).block_bytes for r in roots)
+    monkeypatch.setattr(eviction, "_free_bytes", free)
+    reports = evict_pool(roots, 0, 0.8, 10 * FILE, 1, now=LATER)  # 12.5 blocks must be free: 5 go
+    assert 5 <= sum(r.evicted_blocks for r in reports) <= 6  # whole blocks, each root rounding up
+
+
+def test_an_unreadable_directory_makes_no_block_cut_off_and_forgets_no_record(tmp_path, monkeypatch):
+    """A chain whose head sits in a key directory the evictor cannot read: its tail was taken for
+    cut off and evicted first, and the head's access records were folded away."""
+    from gds_kv_connector.recency import load_recency
+
+    root = str(tmp_path)
+    pool = make_pool(tmp_path)
+    head = bytes([0xBB]) + bytes(31)
+    t1, t2, old = (key(i) for i in (1, 2, 3))
+    put(pool, head)
+    put(pool, t1, parent=head)
+    put(pool, t2, parent=t1)
+    put(pool, old)
+    touch(root, {old: T0, head: T0 + 5 * 10**9, t1: T0 + 5 * 10**9, t2: T0 + 6 * 10**9})
+    real = os.scandir
+    hidden = os.path.dirname(pool.path_for(head))
+
+    def scandir(path="."):
+        if str(path) == hidden:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    rep = evict(root, quota_bytes=3 * FILE - 1, low_watermark=0.99, min_free_bytes=0, grace_s=1,
+                now=LATER + 2 * eviction.LOG_FOLD_AGE_S)
+    monkeypatch.setattr(os, "scandir", real)
+    assert rep.evicted_blocks == 1 and present(root) == {head, t1, t2}  # the oldest went, not the tail
+    assert head in load_recency(root)
+
+
+def test_a_root_named_twice_is_planned_once(tmp_path):
+    """`/a:/a`, or a root and a link to it: the second lock of one directory failed in the same
+    process and every run was skipped."""
+    pool = make_pool(tmp_path / "r")
+    for i in range(10):
+        put(pool, key(i))
+    os.symlink(tmp_path / "r", tmp_path / "link")
+    reports = evict_pool([str(tmp_path / "r"), str(tmp_path / "link")], 4 * FILE, 0.5, 0, 1, now=LATER)
+    assert [r.skipped for r in reports] == [False, True]
+    assert len(present(tmp_path / "r")) == 2
+
+
+def test_the_eviction_lock_needs_no_write_permission(tmp_path, monkeypatch):
+    """In a group-shared pool the lock file is the first evictor's, 0640 after its umask: another
+    member could not open it for writing, and never evicted.  flock needs only a read descriptor."""
+    make_pool(tmp_path)
+    lock = EvictLock(str(tmp_path))
+    assert lock.acquire()
+    lock.release()
+    real = os.open
+
+    def no_write(path, flags, *a):
+        if path == lock.path and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path, flags, *a)
+    monkeypatch.setattr(eviction.os, "open", no_write)
+    assert lock.acquire()
+    lock.release()
