@@ -19,7 +19,7 @@ class BuildPyWithKernel(build_py):
 
     def run(self) -> None:
         super().run()
-        if not self.editable_mode:  # an editable install reads csrc/ in the checkout itself
+        if not getattr(self, "editable_mode", False):  # the attribute is new in setuptools 64  # an editable install reads csrc/ in the checkout itself
             target = os.path.join(self.build_lib, "gds_kv_connector", "_csrc")
             self.mkpath(target)
             self.copy_file(KERNEL, target)

@@ -52,15 +52,16 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self._setup(pool_from_tensor(kv_cache_tensor))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        self._setup(pool_from_layout(layout))
+        self._setup(pool_from_layout(layout), from_layout=True)
 
-    def _setup(self, kv: KvPool) -> None:
+    def _setup(self, kv: KvPool, from_layout: bool = False) -> None:
         if self.kv is not None:
             raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
         cfg = self.config
-        # A byte tensor (V2's layout) does not say whether its KV is fp16 or bf16 (equal sizes): the
-        # configured precision stands in for the dtype, so the two never share a fingerprint.
-        dtype = kv.dtype_name if kv.dtype_name != "uint8" else f"bytes[{cfg.precision}]"
+        # A V2 layout's byte tensor does not say whether its KV is fp16 or bf16 (equal sizes): the
+        # configured precision stands in for the dtype, so the two never share a fingerprint.  A
+        # tensor handed to register_kv_caches keeps its own dtype, uint8 too (pools saved stay found).
+        dtype = f"bytes[{cfg.precision}]" if from_layout and kv.dtype_name == "uint8" else kv.dtype_name
         geom = PoolGeometry(cfg.model_id, dtype, kv.num_layers, kv.kv_factor, kv.block_bytes,
                             cfg.tokens_per_block, cfg.tp_size if cfg.sharded_attention else 1)
         shards = range(geom.tp_size)

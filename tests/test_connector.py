@@ -272,7 +272,7 @@ def test_a_byte_layout_is_fingerprinted_with_the_configured_precision(pool_env):
     """A V2 layout's byte tensor looks the same for fp16 and bf16 KV (equal block sizes): the
     configured dtypes (or the layout's declared dtype) keep their pools apart; a typed tensor's
     fingerprint does not depend on them (pools saved before stay found)."""
-    def fingerprint(tensor, layout_dtype=None, **cfg):
+    def fingerprint(tensor, layout_dtype=None, as_layout=True, **cfg):
         llm_args = fake_llm_args(SHAPE.tokens_per_block)
         for name, value in cfg.items():
             if name == "kv":
@@ -282,7 +282,10 @@ def test_a_byte_layout_is_fingerprinted_with_the_configured_precision(pool_env):
             else:
                 setattr(llm_args, name, value)
         w = GdsKvConnectorWorker(llm_args)
-        w.register_kv_cache_layout(_Layout(tensor, dtype=layout_dtype))
+        if as_layout:
+            w.register_kv_cache_layout(_Layout(tensor, dtype=layout_dtype))
+        else:
+            w.register_kv_caches(tensor)
         try:
             return w.pool.fingerprint
         finally:
@@ -298,6 +301,8 @@ def test_a_byte_layout_is_fingerprinted_with_the_configured_precision(pool_env):
     assert fingerprint(raw, torch.bfloat16) == fingerprint(torch.zeros((8, 2, 2, 512), dtype=torch.bfloat16))
     typed = torch.zeros((8, 2, 2, 512), dtype=torch.bfloat16)
     assert fingerprint(typed, dtype="float16") == fingerprint(typed) == fingerprint(typed, kv="fp8")
+    # a uint8 tensor handed to register_kv_caches (V1: a packed FP4 cache) keeps its fingerprint
+    assert fingerprint(raw, as_layout=False, dtype="float16") == fingerprint(raw, as_layout=False) != fingerprint(raw)
 
 
 def test_block_views_are_each_blocks_bytes_made_once():
