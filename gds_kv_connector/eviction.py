@@ -88,6 +88,7 @@ class EvictionReport:
     protected_blocks: int = 0  # blocks inside the grace window (never evicted)
     failed: int = 0  # unlink refused (permissions) or the file was replaced meanwhile
     unreadable_headers: int = 0
+    unreadable_entries: int = 0  # directories or entries the scan could not read: usage is a floor
     tmp_removed: int = 0
     quarantine_removed: int = 0
     logs_folded: int = 0
@@ -387,6 +388,7 @@ def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> li
 def _scanned(report: EvictionReport, scan: PoolScan, root: str) -> EvictionReport:
     """``report`` with the scan's usage and the root's free space filled in."""
     report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
+    report.unreadable_entries = scan.unreadable
     report.free_bytes = _free_bytes(root)
     return report
 

@@ -261,7 +261,8 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
               **{k: _sum(results, k) for k in slabs[0]},
               "within_budget": all(r["within_budget"] for r in results),
               "runs": [run for r in results for run in r["runs"]],
-              **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after")},
+              **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after",
+                                               "unreadable_entries")},
               "quota_bytes": quota_bytes}
     return _over_roots(results, totals)
 
@@ -271,7 +272,8 @@ def _gc_result(reports: list[EvictionReport], estimated: bool, slabs: dict[str, 
     """One root's gc result; ``estimated``: its last report's figures are derived, not planned."""
     skipped = any(r.skipped for r in reports)
     last = reports[-1]
-    within = not skipped and last.reached_target
+    # a pool not read whole may be over its budget with blocks the scan did not see
+    within = not skipped and last.reached_target and not last.unreadable_entries
     runs = [r.to_dict() | {"estimated": False} for r in reports]
     runs[-1]["estimated"] = estimated
     return {"root": last.root, "dry_run": dry_run, "skipped": skipped, **slabs,
@@ -279,6 +281,7 @@ def _gc_result(reports: list[EvictionReport], estimated: bool, slabs: dict[str, 
             "evicted_blocks": sum(r.evicted_blocks for r in reports),
             "evicted_bytes": sum(r.evicted_bytes for r in reports),
             "usage_after": last.usage_after, "quota_bytes": quota_bytes,
+            "unreadable_entries": last.unreadable_entries,
             "exit_code": EXIT_OK if within else EXIT_PROBLEMS}
 
 
@@ -342,7 +345,10 @@ def _gc_lines(result: dict[str, Any]) -> list[str]:
                      f"{result['slab_temps_removed']} left unfinished by a creator that died "
                      f"({_human(result['slab_bytes_removed'])}), kept {result['slabs_kept_referenced']} that "
                      "references still name")
-    if not result["within_budget"]:
+    if result["unreadable_entries"]:
+        lines.append(f"  {result['unreadable_entries']} directories or entries could not be read: usage counts "
+                     "only what was read, and the budget is not known to be met")
+    elif not result["within_budget"]:
         lines.append("  the pool is still over its budget: blocks within the grace period or failures "
                      "kept it there")
     return lines
@@ -361,7 +367,8 @@ def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
     reasons: Counter[str] = Counter()
     for r in results:
         reasons.update(r["reasons"])
-    totals = {k: _sum(results, k) for k in ("checked", "ok", "bad", "vanished", "quarantined")}
+    totals = {k: _sum(results, k) for k in ("checked", "ok", "bad", "vanished", "quarantined",
+                                            "unreadable_entries")}
     totals |= {"reasons": dict(reasons),
                "bad_files": [f for r in results for f in r["bad_files"]][:MAX_LISTED_BAD],
                "bytes_read": _sum(results, "bytes_read"),
@@ -371,7 +378,8 @@ def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
 
 def _verify_root(root: str, workers: int, progress: bool, quarantine: bool) -> dict[str, Any]:
     t0 = time.monotonic()
-    blocks = scan_pool(root).blocks
+    scan = scan_pool(root)
+    blocks = scan.blocks
     reasons: Counter[str] = Counter()
     bad_files: list[dict[str, Any]] = []
     checked = ok = vanished = quarantined = 0
@@ -398,7 +406,8 @@ def _verify_root(root: str, workers: int, progress: bool, quarantine: bool) -> d
     return {"root": os.path.abspath(root), "checked": checked, "ok": ok, "bad": bad, "vanished": vanished,
             "quarantined": quarantined, "reasons": dict(reasons), "bad_files": bad_files,
             "bytes_read": nbytes, "duration_s": round(time.monotonic() - t0, 3),
-            "exit_code": EXIT_PROBLEMS if bad else EXIT_OK}
+            "unreadable_entries": scan.unreadable,  # blocks there were not checked: not a clean bill
+            "exit_code": EXIT_PROBLEMS if bad or scan.unreadable else EXIT_OK}
 
 
 def format_verify(result: dict[str, Any]) -> str:
@@ -416,6 +425,9 @@ def _verify_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"  {f['path']}: {f['reason']}: {f['detail']}")
     if result["bad"] > len(result["bad_files"]):
         lines.append(f"  ... and {result['bad'] - len(result['bad_files'])} more")
+    if result["unreadable_entries"]:
+        lines.append(f"  {result['unreadable_entries']} directories or entries could not be read: their blocks "
+                     "were not checked")
     return lines
 
 

@@ -15,7 +15,7 @@ import torch
 
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.ops_commands import format_stats, gc, stats, verify
+from gds_kv_connector.ops_commands import format_gc, format_stats, format_verify, gc, stats, verify
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY
 from gds_kv_connector.pool_scan import (NotRegularFile, quarantine_dir, quarantined_at_ns, read_geometry,
@@ -73,8 +73,13 @@ def test_unreadable_key_directory_does_not_abort_stats_verify_gc(pool, monkeypat
     assert st["blocks"] == 3 and st["unreadable_entries"] == 1
     assert "cannot read (not counted): 1" in format_stats(st)
     result = verify(root, workers=2, progress=False)
-    assert result["ok"] == 3 and result["bad"] == 0
-    assert gc(root, 0, 0.5)["runs"][0]["scanned_blocks"] == 3
+    # ... and do not call a pool they could not read whole clean, nor within its budget
+    assert (result["ok"], result["bad"], result["unreadable_entries"], result["exit_code"]) == (3, 0, 1, 1)
+    assert "could not be read: their blocks were not checked" in format_verify(result)
+    result = gc(root, 0, 0.5)
+    assert result["runs"][0]["scanned_blocks"] == 3
+    assert (result["within_budget"], result["unreadable_entries"], result["exit_code"]) == (False, 1, 1)
+    assert "the budget is not known to be met" in format_gc(result)
 
 
 def test_unreadable_fingerprint_and_layout_directories_are_counted(pool, monkeypatch):
