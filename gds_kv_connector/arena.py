@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
 SLAB_TMP_SUFFIX = ".tmp"  # a slab being created: "." + its name + this, renamed once locked and sized
+FRESH_S = 60.0  # a slab file changed this recently may be one whose creator has not locked it yet
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
@@ -162,10 +163,16 @@ class SlotArena:
         t0 = time.monotonic()
         try:
             for name in sorted(os.listdir(self.dir)):
-                if self.owned_slots >= self.capacity_slots or self._closed:
+                if self._closed:
                     break
+                tmp_of = slab_of_tmp_name(name)
+                if tmp_of is not None:
+                    if slab_host_is_this(tmp_of):
+                        self._remove_dead_temp(name)
+                    continue
                 known = self._slabs.get(name)
-                if name.endswith(SLAB_SUFFIX) and slab_host_is_this(name) and (known is None or not known.owned):
+                if (self.owned_slots < self.capacity_slots and name.endswith(SLAB_SUFFIX) and slab_host_is_this(name)
+                        and (known is None or not known.owned)):
                     self._try_adopt(name)
             while self.owned_slots < self.capacity_slots and not self._closed:
                 self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
@@ -230,6 +237,20 @@ class SlotArena:
             self._free.append((now, name, 0, nslots))
             self.owned_slots += nslots
         self.stats["slabs_created"] += 1
+
+    def _remove_dead_temp(self, name: str) -> None:
+        """Remove a slab whose creator on this host died before naming it (a start killed while it
+        preallocated a disk slab leaves one at full size, which nothing would ever use)."""
+        path = os.path.join(self.dir, name)
+        fd = lock_if_unowned(path, time.time())
+        if fd is None:
+            return  # its creator is alive, or just began
+        try:
+            _unlink_quietly(path)
+            self.stats["slab_temps_removed"] += 1
+            log.info("gds-kv arena: removed %s, a slab its creator did not finish", name)
+        finally:
+            os.close(fd)
 
     def _try_adopt(self, name: str) -> None:
         """Take over the slab of an owner that died: its lock is free.  Slots whose record is
@@ -638,6 +659,24 @@ def slab_host_is_this(name: str) -> bool:
     slabs are adopted or removed here: the owner lock is a ``flock``, which some shared filesystems
     keep per node, so a free lock seen from another node does not prove the owner is gone."""
     return name.split("-", 1)[0] == _slab_host()
+
+
+def lock_if_unowned(path: str, now: float) -> int | None:
+    """A descriptor holding the owner lock of the slab (or temporary slab) at ``path``, or None when
+    a live owner holds it, it changed in the last FRESH_S (its creator may not have locked it yet),
+    or it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if now - os.fstat(fd).st_ctime >= FRESH_S:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def slab_tmp_name(name: str) -> str:

@@ -27,11 +27,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .arena import SLAB_SUFFIX, SLABS_DIR, slab_host_is_this, slab_of_tmp_name
+from .arena import FRESH_S, SLAB_SUFFIX, SLABS_DIR, lock_if_unowned, slab_host_is_this, slab_of_tmp_name
 from .pool_format import REF_HEADER_SIZE, is_ref_size, ref_slab_name
 from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
 
-FRESH_S = 60.0  # a file changed this recently may be one whose creator has not locked it yet
 
 
 @dataclass
@@ -70,7 +69,7 @@ def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = No
                     report.other_hosts += 1
                     continue
                 path = os.path.join(slab_dir, name)
-                fd = _lock(path, now)
+                fd = lock_if_unowned(path, now)
                 if fd is None:
                     report.held += 1
                 else:
@@ -114,24 +113,6 @@ def _remove(path: str, fd: int, dry_run: bool) -> int | None:
         except FileNotFoundError:
             return None
     return size
-
-
-def _lock(path: str, now: float) -> int | None:
-    """A descriptor holding the slab's owner lock, or None when a live owner holds it, it is
-    being created, or it is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    if now - os.fstat(fd).st_ctime < FRESH_S:
-        os.close(fd)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _referenced_slabs(refs: list[BlockFile]) -> set[tuple[str, str]]:

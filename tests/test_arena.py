@@ -844,10 +844,12 @@ def test_a_slab_gc_removes_between_an_adopter_s_open_and_its_lock_is_not_adopted
     a.arena.close()  # a dead owner's slab, free and named by no reference
     (dead,) = os.listdir(a.arena.dir)
     dead_ino = os.stat(os.path.join(a.arena.dir, dead)).st_ino
-    real_flock, removed = fcntl.flock, []
+    real_flock, removed, in_gc = fcntl.flock, [], []
 
     def flock(fd, op):
-        if not removed and os.fstat(fd).st_ino == dead_ino:  # the adopter has opened the dead slab
+        # the adopter has opened the dead slab (gc's own lock goes through arena's helper too)
+        if not removed and not in_gc and os.fstat(fd).st_ino == dead_ino:
+            in_gc.append(True)
             removed.extend(remove_orphan_slabs(shm_root, now=time.time() + 120).removed)
         return real_flock(fd, op)
 
@@ -950,6 +952,29 @@ def test_gc_removes_a_stale_temporary_slab_but_not_a_fresh_or_locked_one(shm_roo
     finally:
         os.close(holder)
         a.arena.close()
+
+
+def test_a_starting_arena_removes_slabs_its_host_s_dead_creators_left_unfinished(shm_root, engine, monkeypatch):
+    """A start killed while it preallocated a slab leaves the temporary file at full size; the next
+    arena on that host removes it (nothing else would use it), but not one a live creator holds."""
+    a = _pool(shm_root, engine, 2, per_slab=2)
+    (slab,) = os.listdir(a.arena.dir)
+    a.arena.close()
+    dead = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "0.slab")))
+    held = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "1.slab")))
+    for path in (dead, held):
+        with open(path, "wb") as fh:
+            fh.truncate(2 * a.file_size)
+    holder = os.open(held, os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a creator still at work
+    monkeypatch.setattr(arena_mod, "FRESH_S", -1.0)  # both files count as old
+    try:
+        b = _pool(shm_root, engine, 2, per_slab=2)
+        assert b.arena.stats["slab_temps_removed"] == 1 and b.arena.stats["slabs_adopted"] == 1
+        assert sorted(os.listdir(b.arena.dir)) == sorted([slab, os.path.basename(held)])
+        b.arena.close()
+    finally:
+        os.close(holder)
 
 
 def test_a_slab_that_fails_while_created_leaves_no_file(shm_root, engine, monkeypatch):
