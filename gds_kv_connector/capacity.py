@@ -49,6 +49,7 @@ class CapacityGuard:
         self._idle = threading.Event()
         self._idle.set()
         self._cache: HeaderCache = {}  # headers of every root, keyed by path
+        self._unreadable = [0] * len(self.roots)  # entries the last run could not read, per root
         self._indexes = [RecencyIndex(r) for r in self.roots]
         self._thread: threading.Thread | None = None
         if self.enabled:
@@ -123,7 +124,12 @@ class CapacityGuard:
                                  evict_bytes=sum(rep.evicted_bytes for rep in reports),
                                  evict_short=int(any(not rep.skipped and not rep.reached_target for rep in reports)),
                                  evict_ms=int((time.monotonic() - t0) * 1000))
-        for root, rep in zip(self.roots, reports):
+        for i, (root, rep) in enumerate(zip(self.roots, reports)):
+            if rep.unreadable_entries and not self._unreadable[i]:  # once per spell, not once per run
+                log.warning("pool %s: %d directories or entries cannot be read by this process (another owner's "
+                            "modes? set TLLM_GDS_KV_SHARE_GROUP on every owner): eviction counts only the rest",
+                            root, rep.unreadable_entries)
+            self._unreadable[i] = rep.unreadable_entries
             if not rep.skipped and not rep.reached_target:
                 log.warning("pool %s stays over its budget: freed %d of %d bytes, %d block(s) within the "
                             "%.0f s grace", root, rep.evicted_bytes, rep.target_bytes, rep.protected_blocks,

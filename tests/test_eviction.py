@@ -566,3 +566,32 @@ def test_the_eviction_lock_needs_no_write_permission(tmp_path, monkeypatch):
     monkeypatch.setattr(eviction.os, "open", no_write)
     assert lock.acquire()
     lock.release()
+
+
+def test_the_serving_evictor_warns_once_about_entries_it_cannot_read(tmp_path, monkeypatch, caplog):
+    """A key directory an owner cannot read (another owner's modes) makes its evictor count only the
+    rest of the pool: said once, when it starts, not at every run."""
+    import logging
+
+    pool = make_pool(tmp_path)
+    for i in range(3):
+        put(pool, key(i))
+    hidden = os.path.dirname(pool.path_for(key(0)))
+    real = os.scandir
+
+    def scandir(path="."):
+        if str(path) == hidden:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    guard = CapacityGuard([str(tmp_path)], quota_bytes=100 * FILE, low_watermark=0.5, min_free_bytes=0,
+                          grace_s=1, check_interval_s=3600)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gds_kv_connector.capacity"):
+            for _ in range(3):
+                assert guard.check_now(timeout=10)
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "cannot be read by this process" in caplog.records[0].message
+        assert guard.last_reports[0].unreadable_entries == 1
+    finally:
+        guard.close()
