@@ -920,6 +920,19 @@ def test_a_new_slab_is_never_visible_under_its_name_unlocked(shm_root, engine, m
     pool.arena.close()
 
 
+def _unfinished_slabs(a: BlockPool, slab: str) -> tuple[str, str, int]:
+    """Two full-size temporary slabs beside ``slab``: one a dead creator left, one a live creator
+    holds (its lock held by the descriptor returned, which the caller closes)."""
+    dead, held = (os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", f"{i}.slab")))
+                  for i in range(2))
+    for path in (dead, held):
+        with open(path, "wb") as fh:
+            fh.truncate(2 * a.file_size)
+    holder = os.open(held, os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return dead, held, holder
+
+
 def test_gc_removes_a_stale_temporary_slab_but_not_a_fresh_or_locked_one(shm_root, engine):
     """A creator that died before its slab got its name leaves a hidden temporary file; gc removes it
     once its lock is free and it is older than FRESH_S, and never one a creator still holds."""
@@ -927,13 +940,7 @@ def test_gc_removes_a_stale_temporary_slab_but_not_a_fresh_or_locked_one(shm_roo
 
     a = _pool(shm_root, engine, 2, per_slab=2)
     (slab,) = os.listdir(a.arena.dir)
-    stale = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "0.slab")))
-    held = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "1.slab")))
-    for path in (stale, held):
-        with open(path, "wb") as fh:
-            fh.truncate(2 * a.file_size)
-    holder = os.open(held, os.O_RDWR | os.O_CLOEXEC)
-    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live creator
+    stale, held, holder = _unfinished_slabs(a, slab)
     try:
         later = time.time() + 120
         r = gc(shm_root, 0, 0.9)  # both fresh: a creator may not have locked it yet
@@ -960,13 +967,7 @@ def test_a_starting_arena_removes_slabs_its_host_s_dead_creators_left_unfinished
     a = _pool(shm_root, engine, 2, per_slab=2)
     (slab,) = os.listdir(a.arena.dir)
     a.arena.close()
-    dead = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "0.slab")))
-    held = os.path.join(a.arena.dir, arena_mod.slab_tmp_name(slab.replace(".slab", "1.slab")))
-    for path in (dead, held):
-        with open(path, "wb") as fh:
-            fh.truncate(2 * a.file_size)
-    holder = os.open(held, os.O_RDWR | os.O_CLOEXEC)
-    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a creator still at work
+    _, held, holder = _unfinished_slabs(a, slab)
     monkeypatch.setattr(arena_mod, "FRESH_S", -1.0)  # both files count as old
     try:
         b = _pool(shm_root, engine, 2, per_slab=2)
