@@ -300,7 +300,8 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
     t0 = time.monotonic()
     now = time.time() if now is None else now
     reports = [EvictionReport(os.path.abspath(r), dry_run=dry_run) for r in roots]
-    live = _distinct_roots(roots, reports)
+    devs = _distinct_roots(roots, reports)  # root index -> device of its pool directory
+    live = list(devs)
     if not live:
         return reports
     with ExitStack() as held:
@@ -315,11 +316,14 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
         # Part of the pool could not be read: a block there may be another's parent, and its access
         # records must not be forgotten; nothing is taken for cut off, and nothing forgotten.
         blind = any(scan.unreadable for scan in scans.values())
-        parts = {i: plan(_scanned(reports[i], scan, roots[i]), reports[i].free_bytes) for i, scan in scans.items()}
-        space_share = _space_shares(roots, scans)
+        space_share = _space_shares(devs, scans)
         ref_budget = [0] * len(roots)  # bytes reference names may free: a budget's, never free space's
-        for i, (by_quota, by_space) in parts.items():
+        for i, scan in scans.items():
             report = reports[i]
+            report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
+            report.unreadable_entries = scan.unreadable
+            report.free_bytes = _free_bytes(roots[i])
+            by_quota, by_space = plan(report, report.free_bytes)
             report.target_bytes = max(0, by_quota, int(by_space * space_share[i]))
             ref_budget[i] = max(0, by_quota)
             if not report.target_bytes:
@@ -330,8 +334,8 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             nodes = _graph(len(roots), scans, header_cache, reports, now_ns, blind)
             indexes = recency or [RecencyIndex(r) for r in roots]
             _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
-            for i, scan in scans.items():  # a long-lived index forgets blocks gone before this scan
-                if not blind:
+            if not blind:  # a long-lived index forgets blocks gone before this scan
+                for i, scan in scans.items():
                     indexes[i].retain((b.key for b in scan.blocks), now_ns)
             newest_ns = now_ns - min_age_ns
             for n in nodes.values():
@@ -364,12 +368,12 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
     return reports
 
 
-def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> list[int]:
-    """Indexes of the roots with a pool, one per directory: a root naming the directory of an
-    earlier one (a repeated path, a link) is left out and reported skipped, since locking one
-    directory twice from one process fails and would skip every run."""
+def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> dict[int, int]:
+    """The roots with a pool, one per directory, by index, with the device their pool is on: a
+    root naming the directory of an earlier one (a repeated path, a link) is left out and reported
+    skipped, since locking one directory twice from one process fails and would skip every run."""
     seen: dict[tuple[int, int], int] = {}
-    live = []
+    live: dict[int, int] = {}
     for i, r in enumerate(roots):
         try:
             st = os.stat(layout_dir(r))
@@ -381,28 +385,17 @@ def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> li
             log.warning("pool root %s names the directory of root %s: planned once, under the latter", r,
                         roots[first])
             continue
-        live.append(i)
+        live[i] = st.st_dev
     return live
 
 
-def _scanned(report: EvictionReport, scan: PoolScan, root: str) -> EvictionReport:
-    """``report`` with the scan's usage and the root's free space filled in."""
-    report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
-    report.unreadable_entries = scan.unreadable
-    report.free_bytes = _free_bytes(root)
-    return report
-
-
-def _space_shares(roots: tuple[str, ...], scans: dict[int, PoolScan]) -> dict[int, float]:
-    """Each root's part of its filesystem's free-space shortfall: roots on one filesystem split it
-    by usage (one root alone takes all of it), so that together they free it once, not once each."""
+def _space_shares(devs: dict[int, int], scans: dict[int, PoolScan]) -> dict[int, float]:
+    """Each root's part of its filesystem's free-space shortfall: roots on one filesystem (``devs``)
+    split it by usage (one root alone takes all of it), so that together they free it once, not
+    once each."""
     by_fs: dict[int, list[int]] = {}
     for i in scans:
-        try:
-            dev = os.stat(roots[i]).st_dev
-        except OSError:
-            dev = -1 - i  # cannot tell: a filesystem of its own
-        by_fs.setdefault(dev, []).append(i)
+        by_fs.setdefault(devs[i], []).append(i)
     shares: dict[int, float] = {}
     for members in by_fs.values():
         total = sum(scans[i].block_bytes for i in members)
