@@ -184,13 +184,13 @@ class NotRegularFile(OSError):
     """A name that should be a regular file is something else (a FIFO, a device, a directory)."""
 
 
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """A read-only descriptor on ``path`` and its fstat, if it is a regular file; raises OSError
-    (:class:`NotRegularFile` for anything else).  O_NONBLOCK: open(2) of a FIFO planted at the
-    name (or swapped in after a scan) waits for a writer for ever without it, hanging stats,
-    verify, gc or an evictor holding the pool's lock; it changes nothing for regular files.
-    O_NOFOLLOW: a link could lead out of the pool."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o640) -> tuple[int, os.stat_result]:
+    """A descriptor on ``path`` (read-only unless ``flags`` say otherwise) and its fstat, if it is
+    a regular file; raises OSError (:class:`NotRegularFile` for anything else).  O_NONBLOCK:
+    open(2) of a FIFO planted at the name (or swapped in after a scan) waits for the other end for
+    ever without it, hanging stats, verify, gc, an evictor holding the pool's lock or a log's
+    flusher; it changes nothing for regular files.  O_NOFOLLOW: a link could lead out of the pool."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -199,16 +199,6 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
-
-
-def read_header(block: BlockFile) -> BlockHeader:
-    """Parse the header of a scanned block against its name; raises OSError or FormatError."""
-    fd, st = open_regular(block.path)
-    try:
-        raw = os.pread(fd, HEADER_SIZE, 0)
-    finally:
-        os.close(fd)
-    return parse_header(raw, key=block.key, file_size=st.st_size)
 
 
 class BadReference(FormatError):
@@ -284,7 +274,7 @@ def read_geometry(root: str, fp: str) -> dict | None:
         fd, _ = open_regular(os.path.join(layout_dir(root), fp, "fingerprint.json"))
         with os.fdopen(fd, "rb") as fh:
             data = json.loads(fh.read(1 << 16))
-    except (OSError, ValueError):  # FormatError is a ValueError
+    except (OSError, ValueError):  # absent, unreadable or not a regular file; not JSON
         return None
     return data if isinstance(data, dict) else None
 

@@ -28,7 +28,6 @@ import errno
 import logging
 import os
 import secrets
-import stat
 import struct
 import threading
 import time
@@ -292,12 +291,7 @@ class _OwnerLog:
     def _open(self) -> None:
         self.close()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        # O_NONBLOCK: a FIFO planted at the name fails the open (ENXIO) instead of blocking the flusher
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o640)
-        st = os.fstat(self.fd)
-        if not stat.S_ISREG(st.st_mode):
-            self.close()
-            raise OSError(errno.EINVAL, "not a regular file", self.path)
+        self.fd, st = open_regular(self.path, os.O_WRONLY | os.O_CREAT)  # a FIFO there fails, never blocks
         size = st.st_size
         self.size = size - size % RECORD.size  # overwrite a torn record left by a crash
 

@@ -19,7 +19,7 @@ from gds_kv_connector.ops_commands import format_gc, format_stats, format_verify
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY
 from gds_kv_connector.pool_scan import (NotRegularFile, quarantine_dir, quarantined_at_ns, read_geometry,
-                                        read_header, scan_pool)
+                                        read_published, scan_pool)
 
 FP = b"\x22" * 32
 PAYLOAD = 4096
@@ -242,11 +242,11 @@ def test_block_swapped_for_a_fifo_after_the_scan_is_not_waited_on(pool):
     """gc reads headers of scanned blocks; one replaced by a FIFO meanwhile is an unreadable header
     (an OSError, as eviction counts it), not a hang."""
     block = next(b for b in scan_pool(pool.roots[0]).blocks if b.key == key(0))
-    assert read_header(block).key == key(0)
+    assert read_published(block)[1].key == key(0)
     os.unlink(block.path)
     os.mkfifo(block.path)
     with pytest.raises(NotRegularFile):
-        _returns(lambda: read_header(block), block.path)
+        _returns(lambda: read_published(block), block.path)
 
 
 def test_gc_keeps_free_slabs_when_a_directory_of_references_was_not_read(pool, monkeypatch):
