@@ -29,13 +29,14 @@ from typing import Any
 from .atomic_file import atomic_write
 from .pool import _HOST
 from .pool_scan import open_regular, owners_dir
+from .settings import MAX_SECONDS, SPECS
 
 STATS_SUFFIX = ".stats.json"
 MAX_STATS_FILE_BYTES = 1 << 20  # a bigger file is not one an owner wrote
 MAX_VALUE = 2**63  # counters, gauges and times fit in 64 bits; a bigger one is garbage
 MAX_NAME_LEN = 200
-MAX_INTERVAL_S = 1e9  # the bound settings puts on every time setting
-DEFAULT_INTERVAL_S = 10.0  # TLLM_GDS_KV_STATS_INTERVAL_S's default: for files that do not say theirs
+# for files that do not say their interval: TLLM_GDS_KV_STATS_INTERVAL_S's default
+DEFAULT_INTERVAL_S = next(spec.default for spec in SPECS if spec.name == "stats_interval_s")
 LIVE_INTERVALS = 3  # an owner not heard from for this many intervals is taken for gone
 
 
@@ -162,7 +163,7 @@ def _good_int(v: Any) -> bool:
 
 
 def _good_interval(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_INTERVAL_S
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_SECONDS  # the bound settings puts on every time setting
 
 
 def _is_bool(v: Any) -> bool:

@@ -341,7 +341,7 @@ class RecencyIndex:
             merge_records(data, self.latest)
         return self.latest
 
-    def retain(self, live_keys: Iterable[bytes], scanned_ns: int | None = None) -> int:
+    def retain(self, live_keys: Iterable[bytes], scanned_ns: int) -> int:
         """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.
 
         A key touched at or after ``scanned_ns`` (when that scan began) stays, since its block
@@ -353,10 +353,7 @@ class RecencyIndex:
         live = live_keys if isinstance(live_keys, (set, frozenset, dict)) else set(live_keys)
         before = len(self.latest)
         # a new dict: deleting in place would keep the table at its largest size
-        if scanned_ns is None:
-            self.latest = {k: t for k, t in self.latest.items() if k in live}
-        else:
-            self.latest = {k: t for k, t in self.latest.items() if k in live or t >= scanned_ns}
+        self.latest = {k: t for k, t in self.latest.items() if k in live or t >= scanned_ns}
         return before - len(self.latest)
 
 

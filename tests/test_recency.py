@@ -368,7 +368,7 @@ def test_index_retains_only_live_keys_and_touches_after_the_scan(tmp_path):
     rl.touch([key(5)], NOW + 30)
     rl.flush()
     assert idx.refresh() == {key(1): NOW, key(4): NOW + 20, key(5): NOW + 30}  # 2 and 3 stay forgotten
-    assert idx.retain({key(1), key(5)}) == 1
+    assert idx.retain({key(1), key(5)}, scanned_ns=NOW + 40) == 1
     assert idx.refresh() == {key(1): NOW, key(5): NOW + 30}
     rl.close()
 
