@@ -163,7 +163,7 @@ def _good_int(v: Any) -> bool:
 
 
 def _good_interval(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_SECONDS  # the bound settings puts on every time setting
+    return type(v) in (int, float) and math.isfinite(v) and 0 <= v <= MAX_SECONDS
 
 
 def _is_bool(v: Any) -> bool:
