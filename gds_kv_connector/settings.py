@@ -115,7 +115,8 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("control_grace_s", 1.0, float, "How long cancellation and shutdown wait for in-flight I/O "
                 "to drain.", _positive),
     SettingSpec("read_retries", 2, int, "Retries of a transient read error (EIO, EAGAIN, EINTR, ETIMEDOUT) "
-                "within the deadline, after a pause of 10 ms doubled for each further one.", lambda v: None if 0 <= v <= 20 else "must be 0..20"),
+                "within the deadline, after a pause of 10 ms doubled for each further one.",
+                lambda v: None if 0 <= v <= 20 else "must be 0..20"),
     SettingSpec("fsync", False, _parse_bool, "fsync a block before publishing it (survives power loss; "
                 "slower)."),
     SettingSpec("save", True, _parse_bool, "Save full blocks to the pool."),
