@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 import numpy as np
 
 from . import native
+from .atomic_file import still_named
 from .mounts import fs_type
 from .pool_format import HEADER_SIZE, PAGE, FormatError, SlotRef, check_slab_name, parse_header
 
@@ -266,7 +267,7 @@ class SlotArena:
         except OSError:
             os.close(fd)  # a live owner holds it
             return
-        if not _still_named(path, fd):
+        if not still_named(path, fd):
             # gc locked, unlinked and closed it between the open and the flock: slots saved into
             # this inode would be named by references no process can follow
             log.info("gds-kv arena: not adopting slab %s: removed before it was locked", name)
@@ -690,19 +691,6 @@ def slab_of_tmp_name(name: str) -> str | None:
     if name.startswith(".") and name.endswith(SLAB_SUFFIX + SLAB_TMP_SUFFIX):
         return name[1:-len(SLAB_TMP_SUFFIX)]
     return None
-
-
-def _still_named(path: str, fd: int) -> bool:
-    """Whether ``path`` still names the file open at ``fd`` (a lock taken after an open may be on
-    an inode removed in between)."""
-    st = os.fstat(fd)
-    if st.st_nlink == 0:
-        return False
-    try:
-        now = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _preallocate(fd: int, nbytes: int) -> None:

@@ -1,6 +1,8 @@
-"""Replacing a small shared file whole (an access-log archive or a compacted log, an owner's stats
-file): readers in other processes see the old bytes or the new, never a half-written file, and a
-failed write leaves no temporary file behind."""
+"""Files other processes rename and remove under us.  Replacing a small shared file whole (an
+access-log archive or a compacted log, an owner's stats file): readers in other processes see the
+old bytes or the new, never a half-written file, and a failed write leaves no temporary file
+behind.  And telling whether a name still leads to the file one holds open (an access log a fold
+renamed away, a slab gc removed between an adopter's open and its lock)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "pwrite made no progress")
         done += n
+
+
+def still_named(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd``."""
+    try:
+        mine = os.fstat(fd)
+        named = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
 
 
 def atomic_write(path: str, data: bytes, mode: int = 0o640) -> None:

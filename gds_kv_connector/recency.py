@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from .atomic_file import atomic_write, pwrite_all
+from .atomic_file import atomic_write, pwrite_all, still_named
 from .pool import _HOST
 from .pool_scan import NotRegularFile, open_regular, owners_dir
 
@@ -262,7 +262,7 @@ class _OwnerLog:
                 self.close()  # an evictor folded this log away on another node: start a new one
                 continue
             self.size += len(data)
-            if self._at_path():
+            if still_named(self.path, self.fd):
                 return
             self.close()  # folded (renamed or unlinked) under us: write it again to a new log
         raise OSError(errno.ESTALE, f"access log {self.path} keeps being replaced")
@@ -278,15 +278,6 @@ class _OwnerLog:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-    def _at_path(self) -> bool:
-        """Whether the open file is still the one named :attr:`path`."""
-        try:
-            mine = os.fstat(self.fd)
-            named = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            return False
-        return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino) and mine.st_nlink > 0
 
     def _open(self) -> None:
         self.close()
