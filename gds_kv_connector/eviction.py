@@ -648,7 +648,7 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
             # arena slot): references go towards a root's own budget only, never to free space
             continue
         report = reports[n.root]
-        if not (dry_run or (_unlink_if_same(n.block, ref=True) if n.ref else _unlink_if_same(n.block))):
+        if not (dry_run or _unlink_if_same(n.block, ref=n.ref)):
             report.failed += 1
             continue
         removed.add(path)

@@ -8,7 +8,7 @@ import os
 import time
 
 from test_arena import _data, _flip, _keys, _pool, engine, shm_root, slab_mode  # noqa: F401 (fixtures)
-from test_eviction import touch
+from test_eviction import record_calls, touch
 
 from gds_kv_connector import eviction
 from gds_kv_connector.block_io import save_blocks
@@ -125,13 +125,7 @@ def test_reference_headers_are_read_once_per_file_and_cached_across_sibling_evic
     head, tail = _keys(4, b"head"), _keys(4, b"tail")
     _save_chain(a, engine, head)
     _save_chain(a, engine, tail, first_parent=head[3], seed=5)
-    reads: list[bytes] = []
-    real = eviction.read_published
-
-    def counted(block):
-        reads.append(block.key)
-        return real(block)
-    monkeypatch.setattr(eviction, "read_published", counted)
+    reads = record_calls(monkeypatch, "read_published")
     cache: eviction.HeaderCache = {}
     ref = _ref_size(4)
     rep = evict(shm_root, quota_bytes=2 * ref - 1, low_watermark=0.99, min_free_bytes=0, grace_s=0, now=LATER,

@@ -316,15 +316,21 @@ def touch_pool(roots: list[str], stamps: dict[bytes, int]) -> None:
     rl.close()
 
 
-def record_unlinks(monkeypatch) -> list[bytes]:
-    order: list[bytes] = []
-    real = eviction._unlink_if_same
+def record_calls(monkeypatch, name: str) -> list[bytes]:
+    """The keys of the blocks eviction's function ``name`` is called with, in order; the function
+    still runs."""
+    keys: list[bytes] = []
+    real = getattr(eviction, name)
 
-    def unlink(block):
-        order.append(block.key)
-        return real(block)
-    monkeypatch.setattr(eviction, "_unlink_if_same", unlink)
-    return order
+    def recorded(block, *args, **kwargs):
+        keys.append(block.key)
+        return real(block, *args, **kwargs)
+    monkeypatch.setattr(eviction, name, recorded)
+    return keys
+
+
+def record_unlinks(monkeypatch) -> list[bytes]:
+    return record_calls(monkeypatch, "_unlink_if_same")
 
 
 def split_chains(tmp_path) -> tuple[list[str], bytes, bytes, bytes, bytes]:
