@@ -306,7 +306,8 @@ def _after_expiry(quota: EvictionReport | None, expired: EvictionReport,
     base = {"root": expired.root, "dry_run": True,
             "scanned_blocks": expired.scanned_blocks - expired.evicted_blocks,
             "scanned_bytes": expired.scanned_bytes - expired.evicted_bytes,
-            "free_bytes": expired.free_bytes + expired.evicted_bytes if expired.free_bytes >= 0 else -1}
+            "free_bytes": expired.free_bytes + expired.evicted_bytes if expired.free_bytes >= 0 else -1,
+            "unreadable_entries": expired.unreadable_entries}
     if quota is None or not over:
         return EvictionReport(**base), False
     return EvictionReport(**base, skipped=quota.skipped, reason=quota.reason,

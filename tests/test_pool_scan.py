@@ -80,6 +80,8 @@ def test_unreadable_key_directory_does_not_abort_stats_verify_gc(pool, monkeypat
     assert result["runs"][0]["scanned_blocks"] == 3
     assert (result["within_budget"], result["unreadable_entries"], result["exit_code"]) == (False, 1, 1)
     assert "the budget is not known to be met" in format_gc(result)
+    dry = gc(root, 0, 0.5, max_age_s=3600, dry_run=True)  # the quota step derived from the expiry's scan too
+    assert (dry["within_budget"], dry["unreadable_entries"], dry["exit_code"]) == (False, 1, 1)
 
 
 def test_unreadable_fingerprint_and_layout_directories_are_counted(pool, monkeypatch):
