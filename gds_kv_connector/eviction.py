@@ -51,6 +51,7 @@ from .pool_format import ZERO_KEY, BlockHeader, FormatError, is_ref_size
 from .pool_scan import (BadReference, BlockFile, PoolScan, RefFile, layout_dir, open_regular, owners_dir,
                         quarantine_dir, quarantined_at_ns, read_published, scan_pool)
 from .recency import RecencyIndex, fold_stale_logs
+from .retired_owners import fold_retired_owners
 
 log = logging.getLogger(__name__)
 
@@ -700,18 +701,27 @@ def _expire_quarantine(root: str, now: float) -> int:
 
 
 def _tidy_owners(root: str, now: float) -> None:
-    """Drop stats files of owners gone for a week and temporary files of crashed writers."""
+    """Drop stats files of owners gone for a week, their counters kept in the root's archive of
+    retired owners, and temporary files of crashed writers."""
     d = owners_dir(root)
+    retired: list[str] = []
     for name in _listdir(d):
-        keep = OWNER_STATS_KEEP_S if name.endswith(".stats.json") else OWNER_TMP_KEEP_S if ".tmp-" in name else 0
+        stats_file = name.endswith(".stats.json")
+        keep = OWNER_STATS_KEEP_S if stats_file else OWNER_TMP_KEEP_S if ".tmp-" in name else 0
         if not keep:
             continue
         path = os.path.join(d, name)
         try:
             if now - os.stat(path, follow_symlinks=False).st_mtime > keep:
-                _unlink_quiet(path)
+                if stats_file:
+                    retired.append(name)
+                else:
+                    _unlink_quiet(path)
         except FileNotFoundError:
             pass
+    if retired:  # folded first: a file goes only once its counters are in the archive
+        for name in fold_retired_owners(root, retired, now):
+            _unlink_quiet(os.path.join(d, name))
 
 
 def _free_bytes(root: str) -> int:

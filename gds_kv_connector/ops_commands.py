@@ -20,12 +20,13 @@ from typing import Any
 from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict_pool, expire_pool
 from .metrics import live, read_owner_stats
-from .arena import SLAB_SUFFIX, SLABS_DIR
+from .arena import SLAB_SUFFIX, SLABS_DIR, slab_of_tmp_name
 from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header
-from .pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, open_regular, owners_dir,
+from .pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, list_dir, open_regular, owners_dir,
                         parse_ref_file, quarantine_destination, quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
 from .slab_gc import remove_orphan_slabs
+from .retired_owners import RETIRED_NAME, RetiredOwners, read_retired
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # verify found bad files, or gc could not bring the pool within its budget
@@ -84,16 +85,25 @@ def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]
 
     Owners publish into every root, so their files are merged across roots, not summed: per
     process start, the newest file.  Counters are summed over every process that published
-    (what exited processes did still happened), gauges only over the live ones.
+    (what exited processes did still happened), gauges only over the live ones.  The counters of
+    processes whose files gc retired come from each root's archive (:mod:`.retired_owners`); each root's
+    archive holds the same processes, one root's gc maybe behind another's, so the pool's are
+    the largest of the roots' (per counter: never a process twice, and exact once a root has
+    retired every process another has), and a file that any root's archive names is counted
+    there only.
     """
     roots = pool_roots(root)
     for r in roots:
         _require_pool(r)
     now = time.time() if now is None else now
-    results = [_stats_root(r, now) for r in roots]
+    archives = [read_retired(r) for r in roots]
+    results = [_stats_root(r, now, a) for r, a in zip(roots, archives)]
+    folded = {stem for a in archives if a is not None for stem in a.folded}
     owners: dict[str, dict[str, Any]] = {}
     for res in results:
         for name, o in res["owners"].items():
+            if name in folded:
+                continue
             if name not in owners or (o["updated_ns"] or 0) > (owners[name]["updated_ns"] or 0):
                 owners[name] = o
     owners = dict(sorted(owners.items()))
@@ -111,14 +121,14 @@ def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]
             t["tokens"] = t["blocks"] * t["tokens_per_block"] if isinstance(t["tokens_per_block"], int) else None
     totals = {"blocks": _sum(results, "blocks"), "bytes": _sum(results, "bytes"), "fingerprints": fps,
               **{k: {"files": _sum(results, k, "files"), "bytes": _sum(results, k, "bytes")}
-                 for k in ("quarantine", "tmp", "access_logs")},
+                 for k in ("quarantine", "tmp", "slab_tmp", "access_logs")},
               "foreign_entries": _sum(results, "foreign_entries"),
               "unreadable_entries": _sum(results, "unreadable_entries"), "filesystem": _filesystems(roots),
-              **_owner_totals(owners)}
+              **_owner_totals(owners, _retired(archives))}
     return _over_roots(results, totals)
 
 
-def _stats_root(root: str, now: float) -> dict[str, Any]:
+def _stats_root(root: str, now: float, archive: RetiredOwners | None) -> dict[str, Any]:
     scan = scan_pool(root)
     per_fp: dict[str, dict[str, Any]] = {}
     for fp in fingerprint_dirs(root):
@@ -134,12 +144,21 @@ def _stats_root(root: str, now: float) -> dict[str, Any]:
         entry["bytes"] = fp_bytes.get(fp, 0)
         tpb = entry["tokens_per_block"]
         entry["tokens"] = entry["blocks"] * tpb if isinstance(tpb, int) else None
+    slab_tmp: list[int] = []
     for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are
-        sizes = _files_with_sizes(os.path.join(layout_dir(root), fp, SLABS_DIR), SLAB_SUFFIX)
+        slab_dir = os.path.join(layout_dir(root), fp, SLABS_DIR)
+        names = list_dir(slab_dir)
+        sizes = _sizes(os.path.join(slab_dir, n) for n in names if n.endswith(SLAB_SUFFIX))
         entry["slabs"], entry["slab_bytes"] = len(sizes), sum(sizes)
+        # a slab being created, or left so by a creator that died (gc removes those): a whole
+        # slab's bytes each, on disk or in host memory, under no slab name
+        slab_tmp += _sizes(os.path.join(slab_dir, n) for n in names if slab_of_tmp_name(n) is not None)
     now_ns = int(now * 1e9)
     owners = {}
+    folded = archive.folded if archive is not None else {}
     for name, data in sorted(read_owner_stats(root).items()):
+        if name in folded:  # folded into the archive, not unlinked yet
+            continue
         updated = data["updated_ns"]
         owners[name] = {**data, "age_s": round(now - updated / 1e9, 1) if updated is not None else None,
                         "live": live(data, now_ns)}
@@ -149,21 +168,35 @@ def _stats_root(root: str, now: float) -> dict[str, Any]:
             "fingerprints": per_fp,
             "quarantine": {"files": len(qfiles), "bytes": sum(qfiles)},
             "tmp": {"files": len(scan.tmp), "bytes": sum(_sizes(scan.tmp))},
+            "slab_tmp": {"files": len(slab_tmp), "bytes": sum(slab_tmp)},
             "foreign_entries": scan.foreign, "unreadable_entries": scan.unreadable,
             "access_logs": {"files": len(logs), "bytes": sum(logs)},
-            "filesystem": _filesystems([root]), **_owner_totals(owners), "exit_code": EXIT_OK}
+            "filesystem": _filesystems([root]), **_owner_totals(owners, _retired([archive])),
+            "exit_code": EXIT_OK}
 
 
-def _owner_totals(owners: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Counters summed over every owner process that published, gauges over the live ones."""
-    counters: Counter[str] = Counter()
+def _owner_totals(owners: dict[str, dict[str, Any]], retired: dict[str, Any]) -> dict[str, Any]:
+    """Counters summed over every owner process that published, retired ones included, gauges
+    over the live ones."""
+    counters: Counter[str] = Counter(retired["counters"])
     gauges: Counter[str] = Counter()
     for o in owners.values():
         counters.update(o["counters"])
         if o["live"]:
             gauges.update(o["gauges"])
-    return {"owners": owners, "owners_live": sum(o["live"] for o in owners.values()),
+    return {"owners": owners, "owners_live": sum(o["live"] for o in owners.values()), "retired": retired,
             "counters_total": dict(sorted(counters.items())), "gauges_total": dict(sorted(gauges.items()))}
+
+
+def _retired(archives: Sequence[RetiredOwners | None]) -> dict[str, Any]:
+    """What the archives of retired owners of one pool's roots hold (:func:`stats` says why the
+    largest): ``unreadable`` if one could not be read, which then counts nothing."""
+    counters: dict[str, int] = {}
+    for a in archives:
+        for k, v in (a.counters if a is not None else {}).items():
+            counters[k] = max(counters.get(k, 0), v)
+    return {"owners": max(a.retired if a is not None else 0 for a in archives),
+            "counters": dict(sorted(counters.items())), "unreadable": any(a is None for a in archives)}
 
 
 def _filesystems(roots: Sequence[str]) -> dict[str, int | None]:
@@ -192,8 +225,10 @@ def format_stats(result: dict[str, Any]) -> str:
         invalid = f"; ignored invalid {', '.join(o['invalid'])}" if o["invalid"] else ""
         lines.append(f"owner {owner} (updated {o['age_s']} s ago, {state}): {_pairs(o['counters'])}"
                      + gauges + invalid)
-    if result["owners"]:
-        lines.append(f"owners' counters summed: {_pairs(result['counters_total'])}")
+    retired = result["retired"]["owners"]
+    if result["owners"] or retired:
+        of_retired = f" (with {retired} retired owner process(es))" if retired else ""
+        lines.append(f"owners' counters summed{of_retired}: {_pairs(result['counters_total'])}")
         lines.append(f"gauges of the {result['owners_live']} live owner(s) summed: {_pairs(result['gauges_total'])}")
     return "\n".join(lines)
 
@@ -211,11 +246,16 @@ def _stats_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"filesystem: {_human(fs['free_bytes'])} free of {_human(fs['total_bytes'])}")
     lines.append(f"quarantine: {result['quarantine']['files']} files ({_human(result['quarantine']['bytes'])}); "
                  f"temporary: {result['tmp']['files']} files; access logs: {result['access_logs']['files']} "
-                 f"({_human(result['access_logs']['bytes'])})")
+                 f"({_human(result['access_logs']['bytes'])})"
+                 + (f"; temporary arena slabs: {result['slab_tmp']['files']} files "
+                    f"({_human(result['slab_tmp']['bytes'])})" if result["slab_tmp"]["files"] else ""))
     if result["foreign_entries"]:
         lines.append(f"unexpected entries in block directories: {result['foreign_entries']}")
     if result["unreadable_entries"]:
         lines.append(f"directories or entries this process cannot read (not counted): {result['unreadable_entries']}")
+    if result["retired"]["unreadable"]:
+        lines.append(f"{RETIRED_NAME} cannot be read: retired owners' counters not counted (gc keeps stats files "
+                     "until it can be)")
     return lines
 
 

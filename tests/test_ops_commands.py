@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gds_kv_connector import cli
+from gds_kv_connector.arena import slab_tmp_name
 from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.metrics import StatsPublisher, read_owner_stats, write_owner_stats
@@ -192,6 +193,30 @@ def test_every_command_covers_every_root(tmp_path, engine, monkeypatch, capsys):
     assert not os.path.exists(corrupt)
     rc, out = run("verify")
     assert rc == EXIT_OK and f"pool {b}: 3 blocks checked" in out and "total over 2 roots: 7 blocks checked" in out
+
+
+def test_stats_counts_temporary_slabs_per_root_and_in_total(tmp_path, engine):
+    """A slab being created, or one whose creator died before naming it, holds a slab's bytes under a
+    hidden temporary name: stats shows them apart from the slabs, per root and in the total."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    fill_roots((a, b), engine, [0, 1])
+    for root, sizes in ((a, {"node1-1-0.slab": 4096, slab_tmp_name("node1-1-1.slab"): 8192}),
+                        (b, {slab_tmp_name("node1-2-0.slab"): 3 * 4096})):
+        slab_dir = os.path.join(root, "gdskv-v1", "09" * 8, "slabs")
+        os.makedirs(slab_dir)
+        for name, size in sizes.items():
+            with open(os.path.join(slab_dir, name), "wb") as fh:
+                fh.truncate(size)
+    result = stats(f"{a}:{b}")
+    assert [r["slab_tmp"] for r in result["roots"]] == [{"files": 1, "bytes": 8192}, {"files": 1, "bytes": 3 * 4096}]
+    assert result["slab_tmp"] == {"files": 2, "bytes": 5 * 4096}
+    assert result["tmp"] == {"files": 0, "bytes": 0}
+    assert [r["fingerprints"]["09" * 8]["slabs"] for r in result["roots"]] == [1, 0]
+    assert json.loads(json.dumps(result))["slab_tmp"] == result["slab_tmp"]
+    text = format_stats(result)
+    assert f"  {a}: quarantine: 0 files (0 B); temporary: 0 files; access logs: 0 (0 B); temporary arena slabs: " \
+           "1 files (8.0 KiB)" in text.splitlines()
+    assert "temporary arena slabs: 1 files (12.0 KiB)" in text
 
 
 def test_gc_takes_every_root_to_its_own_budget(tmp_path, engine, monkeypatch, capsys):

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 from gds_kv_connector.metrics import Snapshot, StatsPublisher, read_owner_stats
-from gds_kv_connector.ops_commands import format_stats, stats
+from gds_kv_connector.ops_commands import format_stats, gc, stats
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_scan import owners_dir
 from gds_kv_connector.stats import Stats
@@ -135,3 +135,109 @@ def test_a_failed_stats_write_keeps_the_last_good_file_and_leaves_no_temporary(t
     assert len(calls) == 2
     assert open(path, "rb").read() == good
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+
+
+WEEK_S = 7 * 86_400
+RETIRED_NAME = "retired-owners.json"  # docs/format.md, README "Metrics"
+
+
+def _owners_one_gone_for_a_week(roots: list[str]) -> tuple[StatsPublisher, StatsPublisher]:
+    """Owner 100 (with gauges) exited over a week ago; owner 200 exited just now; both published into
+    every root."""
+    gone = StatsPublisher(roots, "node1-100", lambda: Snapshot({"blocks_saved": 500, "bytes_saved": 5000},
+                                                               {"arena_owned_slots": 8}), interval_s=3600)
+    gone.close()
+    recent = StatsPublisher(roots, "node1-200", lambda: {"blocks_saved": 20}, interval_s=3600)
+    recent.close()
+    old = time.time() - WEEK_S - 3600
+    for path in gone.paths():
+        os.utime(path, (old, old))
+    return gone, recent
+
+
+def _stem(path: str) -> str:
+    return os.path.basename(path)[:-len(".stats.json")]
+
+
+def test_gc_keeps_the_counters_of_owners_whose_stats_files_it_removes(tmp_path):
+    """gc removes an owner's stats file a week after its last update; its counters used to leave the
+    pool's totals with it."""
+    root = pool_root(tmp_path)
+    gone, recent = _owners_one_gone_for_a_week([root])
+    before = stats(root)["counters_total"]
+    assert before == {"blocks_saved": 520, "bytes_saved": 5000}
+    gc(root, 0, 0.9)
+    assert not os.path.exists(gone.paths()[0]) and os.path.exists(recent.paths()[0])
+    after = stats(root)
+    assert after["counters_total"] == before and list(after["owners"]) == [_stem(recent.paths()[0])]
+    # gauges describe a live process: a retired one's are not kept
+    assert after["retired"] == {"owners": 1, "counters": {"blocks_saved": 500, "bytes_saved": 5000},
+                                "unreadable": False}
+    assert after["roots"][0]["retired"] == after["retired"]
+    assert "owners' counters summed (with 1 retired owner process(es)): blocks_saved=520" in format_stats(after)
+    with open(os.path.join(owners_dir(root), RETIRED_NAME)) as fh:
+        archive = json.load(fh)
+    assert archive["version"] == 1 and archive["retired"] == 1 and list(archive["folded"]) == [_stem(gone.paths()[0])]
+    gc(root, 0, 0.9)  # nothing more to retire: nothing counted again
+    assert stats(root)["counters_total"] == before
+    # a week on, the other owner retires too; the first one's name has served its purpose
+    gc(root, 0, 0.9, now=time.time() + WEEK_S + 3600)
+    later = stats(root)
+    assert later["counters_total"] == before and later["owners"] == {} and later["retired"]["owners"] == 2
+    with open(os.path.join(owners_dir(root), RETIRED_NAME)) as fh:
+        assert list(json.load(fh)["folded"]) == [_stem(recent.paths()[0])]
+    assert "owners' counters summed (with 2 retired owner process(es)): blocks_saved=520" in format_stats(later)
+
+
+def test_a_retired_stats_file_left_behind_is_neither_counted_nor_folded_twice(tmp_path, monkeypatch):
+    """An evictor that dies between writing the archive and unlinking the file leaves both."""
+    from gds_kv_connector import eviction
+
+    root = pool_root(tmp_path)
+    gone, recent = _owners_one_gone_for_a_week([root])
+    with monkeypatch.context() as m:
+        m.setattr(eviction, "_unlink_quiet", lambda path: False)
+        gc(root, 0, 0.9)
+    assert os.path.exists(gone.paths()[0])
+    result = stats(root)
+    assert result["counters_total"] == {"blocks_saved": 520, "bytes_saved": 5000}
+    assert list(result["owners"]) == [_stem(recent.paths()[0])]
+    gc(root, 0, 0.9)
+    assert not os.path.exists(gone.paths()[0])
+    result = stats(root)
+    assert result["counters_total"] == {"blocks_saved": 520, "bytes_saved": 5000}
+    assert result["retired"]["owners"] == 1
+
+
+def test_retired_counters_count_once_over_several_roots(tmp_path):
+    """Owners publish into every root, so every root's archive holds the same owners; one root's gc
+    may retire a file before another's does."""
+    a, b = pool_root(tmp_path / "a"), pool_root(tmp_path / "b")
+    gone, _ = _owners_one_gone_for_a_week([a, b])
+    total = {"blocks_saved": 520, "bytes_saved": 5000}
+    gc(a, 0, 0.9)  # retired in a, still a stats file in b
+    assert [os.path.exists(p) for p in gone.paths()] == [False, True]
+    result = stats(f"{a}:{b}")
+    assert result["counters_total"] == total and _stem(gone.paths()[0]) not in result["owners"]
+    assert [r["counters_total"] for r in result["roots"]] == [total, total]
+    gc(f"{a}:{b}", 0, 0.9)
+    result = stats(f"{a}:{b}")
+    assert result["counters_total"] == total and result["retired"]["owners"] == 1
+    assert [r["retired"]["owners"] for r in result["roots"]] == [1, 1]
+
+
+def test_an_archive_that_cannot_be_read_is_kept_and_so_are_the_stats_files(tmp_path):
+    """Folding into an archive read as empty would replace every retired owner's counters."""
+    root = pool_root(tmp_path)
+    gone, _ = _owners_one_gone_for_a_week([root])
+    path = os.path.join(owners_dir(root), RETIRED_NAME)
+    with open(path, "w") as fh:
+        fh.write('{"version": 1, "retired": 3, "counters": {"blocks_saved": -1}, "folded": {}}')
+    gc(root, 0, 0.9)
+    assert os.path.exists(gone.paths()[0])
+    with open(path) as fh:
+        assert json.load(fh)["retired"] == 3
+    result = stats(root)
+    assert result["counters_total"] == {"blocks_saved": 520, "bytes_saved": 5000}
+    assert result["retired"] == {"owners": 0, "counters": {}, "unreadable": True}
+    assert f"{RETIRED_NAME} cannot be read" in format_stats(result)
