@@ -10,9 +10,11 @@ the run a no-op for all but one owner at a time.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from .eviction import EvictionReport, HeaderCache, evict_pool
 from .recency import RecencyIndex, RecencyLog
@@ -50,7 +52,13 @@ class CapacityGuard:
         self._idle.set()
         self._cache: HeaderCache = {}  # headers of every root, keyed by path
         self._unreadable = [0] * len(self.roots)  # entries the last run could not read, per root
-        self._indexes = [RecencyIndex(r) for r in self.roots]
+        if recency is not None and list(map(os.path.abspath, recency.roots)) != list(map(os.path.abspath, roots)):
+            raise ValueError(f"access log of roots {recency.roots} for a pool of roots {self.roots}: a key's "
+                             "records would be read as another root's")
+        # this process's queued touches count too: while its log cannot be written (a full disk,
+        # when eviction runs), they are the only record of the blocks it has just promised
+        self._indexes = [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i))
+                         for i, r in enumerate(self.roots)]
         self._thread: threading.Thread | None = None
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="gdskv-evict", daemon=True)

@@ -12,8 +12,10 @@ thread writes batches.  A touch therefore protects a block from eviction only on
 the flush interval must stay far below the eviction grace, and the touch of a block just promised
 to a request (:meth:`RecencyLog.promise`) wakes the flusher at once: until it is written, another
 owner's evictor may remove the block whose load is about to start.  A write that fails (the disk
-is full exactly when eviction runs) leaves its records queued for the next flush, within
-:data:`MAX_PENDING_BATCHES`.
+is full exactly when eviction runs) leaves its records queued, within :data:`MAX_PENDING_BATCHES`,
+and its root backs off: the flusher retries it once per interval, while the other roots' records
+are still written at once.  Other owners cannot see queued records, but this process's own
+evictor can (:meth:`RecencyLog.unwritten`, read by :class:`RecencyIndex`).
 
 Idle logs are folded into one archive by the evictor (:func:`fold_stale_logs`), which renames
 a log to a private ``<name>.fold-...`` before reading it; readers still merge such a file until
@@ -32,7 +34,8 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 
 from .atomic_file import atomic_write, pwrite_all, still_named
 from .pool import _HOST
@@ -46,12 +49,13 @@ ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
 ARCHIVE_KEEP_FRACTION = 0.75  # an archive is rewritten for dead keys alone once they are over a quarter
 FOLD_MARK = ".fold-"  # <owner>.access.fold-<host>-<pid>-<hex>: a log taken by a fold, still read
 MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
-MAX_PENDING_BATCHES = 1 << 16  # touches kept while the filesystem does not accept writes
+MAX_PENDING_BATCHES = 1 << 16  # touches kept unwritten (a failed write's, one per root they went to)
 _EPOCH_2020_NS = 1_577_836_800 * 10**9
 _FUTURE_SLACK_NS = 86_400 * 10**9
 _OPEN_LOCK = threading.RLock()  # for_process holds it while __init__ takes it again
 _OPEN_PATHS: set[str] = set()
 _SHARED: dict[tuple[str, ...], "RecencyLog"] = {}
+Batch = tuple[int, Sequence[bytes]]  # (unix ns, keys) of one touch
 
 
 def default_owner_id() -> str:
@@ -75,9 +79,16 @@ class RecencyLog:
         self.owner_id = owner_id or default_owner_id()
         self.max_log_bytes = max_log_bytes
         self.dropped = 0  # touches lost to a full backlog (failed writes stay queued until it is full)
-        self._pending: deque[tuple[int, Sequence[bytes]]] = deque()
         self._pending_lock = threading.Lock()  # never held across I/O: the executor thread takes it
+        self._pending: deque[Batch] = deque()  # touches not yet taken by a flush
+        # per root, its part of touches a failed write gave back, oldest first; kept apart from
+        # _pending so that a flush while that root backs off adds to it without going through it
+        self._held: list[deque[Batch]] = [deque() for _ in self.roots]
+        self._held_n = 0  # batches in _held, for touch() to keep the bound in O(1)
+        self._writing: list[Iterable[Batch]] = []  # taken by the flush under way: still unwritten
         self._failing = [False] * len(self.roots)  # the last write to that root's log failed
+        self._retry_at = [0.0] * len(self.roots)  # monotonic time before which the flusher leaves it
+        self._interval = flush_interval_s
         self._logs = [_OwnerLog(os.path.join(owners_dir(r), self.owner_id + ACCESS_SUFFIX)) for r in self.roots]
         with _OPEN_LOCK:
             clash = [lg.path for lg in self._logs if lg.path in _OPEN_PATHS]
@@ -119,8 +130,8 @@ class RecencyLog:
         if keys:
             batch = (now_ns or time.time_ns(), keys)
             with self._pending_lock:
-                if len(self._pending) >= MAX_PENDING_BATCHES:
-                    self.dropped += len(self._pending.popleft()[1])
+                if len(self._pending) + self._held_n >= MAX_PENDING_BATCHES:
+                    self._drop_oldest()
                 self._pending.append(batch)
 
     def promise(self, keys: Sequence[bytes]) -> None:
@@ -135,36 +146,72 @@ class RecencyLog:
         """Whether the last flush left records queued because a log could not be written."""
         return any(self._failing)
 
-    def flush(self) -> int:
-        """Write pending touches; returns the number of records written.
+    def unwritten(self, root: int) -> dict[bytes, int]:
+        """Newest queued time per key of ``self.roots[root]`` not yet in its log.
 
-        A root whose write fails gets its records back at the front of the queue for the next
-        flush, not dropped: the write fails when the disk is full, which is when eviction runs,
-        and a lost promise would let it remove the promised block.  Only the queue's bound drops
-        records, oldest first.
+        While a disk is full no evictor reads this owner's promises from its logs; this process's
+        own evictor can still keep the promised blocks by adding these (:class:`RecencyIndex`).
+        A record leaves the queues only once written, so a caller that takes this before reading
+        the logs misses none.
         """
+        with self._pending_lock:
+            queued = [*self._held[root], *self._pending, *chain.from_iterable(self._writing)]
+        n_roots = len(self.roots)
+        newest: dict[bytes, int] = {}
+        get = newest.get
+        for ts, keys in queued:
+            for key in keys:
+                if key[0] % n_roots == root and get(key, 0) < ts:
+                    newest[key] = ts
+        return newest
+
+    def flush(self) -> int:
+        """Write pending touches to every root, backing off or not; returns the records written.
+
+        A root whose write fails keeps its records queued for the next flush, not dropped: the
+        write fails when the disk is full, which is when eviction runs, and a lost promise would
+        let it remove the promised block.  Only the queue's bound drops records, oldest first.
+        """
+        return self._flush(backoff=False)
+
+    def _flush(self, backoff: bool) -> int:
+        """:meth:`flush`; with ``backoff``, a root whose write failed within the flush interval
+        only queues its new records, without a write: a retry writes a root's whole backlog, and
+        the flusher runs at every promise.  Its backlog is then neither copied nor packed, so a
+        promise costs the flusher its own records, whatever another root owes."""
         with self._flush_lock:
             with self._pending_lock:
+                if not self._pending and not self._held_n:
+                    return 0
                 batches, self._pending = self._pending, deque()
-            if not batches:
-                return 0
-            per_root: list[list[bytes]] = [[] for _ in self.roots]
-            n_roots = len(self.roots)
-            for ts, keys in batches:
-                for key in keys:
-                    per_root[key[0] % n_roots].append(RECORD.pack(key, ts))
+                self._writing = [batches]
+            now = time.monotonic()
+            fresh = self._split(batches)
+            out: dict[int, list[Batch]] = {}
+            with self._pending_lock:
+                for i, new in enumerate(fresh):
+                    if backoff and self._failing[i] and now < self._retry_at[i]:
+                        self._held[i].extend(new)
+                        self._held_n += len(new)
+                    elif new or self._held[i]:
+                        out[i] = [*self._held[i], *new]
+                        self._held_n -= len(self._held[i])
+                        self._held[i].clear()
+                self._writing = list(out.values())
+                self._keep_bound()
             written = 0
-            failed: set[int] = set()
-            for i, (owner_log, records) in enumerate(zip(self._logs, per_root)):
-                if not records:
-                    continue
+            failed: list[int] = []
+            for i in sorted(out, key=self._failing.__getitem__):  # a retry may be slow: healthy roots first
+                owner_log, batches_i = self._logs[i], out[i]
+                records = [RECORD.pack(key, ts) for ts, keys in batches_i for key in keys]
                 try:
                     owner_log.append(b"".join(records))
                 except OSError as exc:
-                    failed.add(i)
+                    failed.append(i)
+                    self._retry_at[i] = time.monotonic() + self._interval
                     if not self._failing[i]:  # once per failing spell, not once per flush
                         log.warning("could not write access log %s (%s); its touches stay queued and "
-                                    "are retried at each flush", owner_log.path, exc)
+                                    "are retried once per flush interval", owner_log.path, exc)
                     self._failing[i] = True
                     continue
                 written += len(records)
@@ -176,28 +223,43 @@ class RecencyLog:
                         owner_log.compact(self.max_log_bytes // 2)
                     except OSError as exc:  # the records are written: only the size stays over
                         log.warning("could not compact access log %s (%s)", owner_log.path, exc)
-            if failed:
-                self._requeue(batches, failed)
+            with self._pending_lock:
+                for i in failed:  # before any touch made meanwhile, and within the bound
+                    self._held[i].extendleft(reversed(out[i]))
+                    self._held_n += len(out[i])
+                self._writing = []
+                self._keep_bound()
             return written
 
-    def _requeue(self, batches: deque[tuple[int, Sequence[bytes]]], failed: set[int]) -> None:
-        """Put the failed roots' records back before any touch made meanwhile, within the bound."""
+    def _split(self, batches: deque[Batch]) -> list[Sequence[Batch]]:
+        """Each root's part of ``batches``, in their order."""
         n_roots = len(self.roots)
-        back: list[tuple[int, Sequence[bytes]]]
         if n_roots == 1:
-            back = list(batches)
+            return [batches]
+        parts: list[list[Batch]] = [[] for _ in self.roots]
+        for ts, keys in batches:
+            by_root: list[list[bytes]] = [[] for _ in self.roots]
+            for key in keys:
+                by_root[key[0] % n_roots].append(key)
+            for part, root_keys in zip(parts, by_root):
+                if root_keys:
+                    part.append((ts, root_keys))
+        return parts
+
+    def _keep_bound(self) -> None:
+        """Drop the oldest batches over :data:`MAX_PENDING_BATCHES` (``_pending_lock`` held)."""
+        while len(self._pending) + self._held_n > MAX_PENDING_BATCHES:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """Drop the oldest queued batch (``_pending_lock`` held): a failing root's backlog, older
+        than any touch not yet taken by a flush, goes before the new touches of healthy roots."""
+        held = min((q for q in self._held if q), key=lambda q: q[0][0], default=None)
+        if held is not None:
+            self._held_n -= 1
+            self.dropped += len(held.popleft()[1])
         else:
-            back = []
-            for ts, keys in batches:
-                kept = [k for k in keys if k[0] % n_roots in failed]
-                if kept:
-                    back.append((ts, kept))
-        with self._pending_lock:
-            cut = len(back) - max(0, MAX_PENDING_BATCHES - len(self._pending))
-            if cut > 0:  # the oldest go, as when touch() finds the queue full
-                self.dropped += sum(len(keys) for _, keys in back[:cut])
-                back = back[cut:]
-            self._pending.extendleft(reversed(back))
+            self.dropped += len(self._pending.popleft()[1])
 
     def close(self) -> None:
         """Stop the flusher and write what is pending; the log stays for other owners to read."""
@@ -207,8 +269,11 @@ class RecencyLog:
             self._thread.join()
         self.flush()
         with self._pending_lock:
-            lost = sum(len(keys) for _, keys in self._pending)
+            lost = sum(len(keys) for _, keys in chain(self._pending, *self._held))
             self._pending.clear()
+            for q in self._held:
+                q.clear()
+            self._held_n = 0
             self.dropped += lost
         if lost:
             log.warning("access log of %s closed with %d touch(es) it could not write", self.owner_id, lost)
@@ -220,20 +285,15 @@ class RecencyLog:
                 del _SHARED[k]
 
     def _run(self, interval: float) -> None:
-        retry_at = 0.0
         while True:
             self._wake.wait(interval)
             if self._stop.is_set():
                 return  # close() writes what is left
-            pause = retry_at - time.monotonic()
-            if pause > 0 and self._stop.wait(pause):  # a failing log is retried once per interval,
-                return                                # not once per promise
             self._wake.clear()
             try:
-                self.flush()
+                self._flush(backoff=True)
             except Exception:  # noqa: BLE001 - the flusher must outlive one bad flush
                 log.exception("access log flush failed")
-            retry_at = time.monotonic() + interval if self.failing else 0.0
 
 
 class _OwnerLog:
@@ -295,19 +355,33 @@ class RecencyIndex:
     the directory is forgotten at the next refresh, and the keys of blocks gone from the pool
     when the evictor passes its scan to :meth:`retain`, so a long-lived index stays as large as
     the pool and its logs, not as everything the pool ever held.
+
+    ``unwritten`` (an owner's :meth:`RecencyLog.unwritten` for this root) adds the records that
+    owner could not write yet: its own evictor then keeps the blocks it promised while the disk is
+    full.  They are accesses all the same, so they join :attr:`latest` like logged ones.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, unwritten: Callable[[], dict[bytes, int]] | None = None) -> None:
         self.dir = owners_dir(root)
         self.latest: dict[bytes, int] = {}
         self._offsets: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes consumed)
+        self._unwritten = unwritten
 
     def refresh(self) -> dict[bytes, int]:
+        queued = self._unwritten() if self._unwritten is not None else {}  # first: see unwritten()
+        self._read_logs()
+        latest = self.latest
+        for key, ts in queued.items():
+            if latest.get(key, 0) < ts:
+                latest[key] = ts
+        return latest
+
+    def _read_logs(self) -> None:
         try:
             names = [n for n in os.listdir(self.dir) if _is_log(n)]
         except FileNotFoundError:
             self._offsets.clear()
-            return self.latest
+            return
         for gone in self._offsets.keys() - set(names):
             del self._offsets[gone]
         for name in names:
@@ -330,7 +404,6 @@ class RecencyIndex:
                 os.close(fd)
             self._offsets[name] = (st.st_ino, done + len(data))
             merge_records(data, self.latest)
-        return self.latest
 
     def retain(self, live_keys: Iterable[bytes], scanned_ns: int) -> int:
         """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.

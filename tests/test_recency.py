@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import chain
 
 import pytest
 
@@ -199,6 +201,11 @@ def _failing_writes(monkeypatch, errno_: int = errno.ENOSPC, times: int | None =
     return attempts
 
 
+def _queued(rl: RecencyLog) -> list[Sequence[bytes]]:
+    """Every root's records a failed write gave back, then the touches no flush has taken yet."""
+    return [keys for _, keys in chain(*rl._held, rl._pending)]
+
+
 @pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EIO])
 def test_a_failed_write_keeps_its_touches_for_the_next_flush(tmp_path, monkeypatch, errno_):
     """The disk is full exactly when eviction runs: a promise lost to a failed write would let the
@@ -232,12 +239,12 @@ def test_a_failing_log_keeps_its_newest_touches_within_the_bound(tmp_path, monke
     for i in (1, 2, 3):
         rl.touch([key(i)], NOW + i)
     assert rl.flush() == 0
-    assert [ks for _, ks in rl._pending] == [[key(2)], [key(3)], [key(4)], [key(5)]]
+    assert _queued(rl) == [[key(2)], [key(3)], [key(4)], [key(5)]]
     assert rl.dropped == 1  # key 1, the oldest, made room
     for i in range(6, 20):
         rl.touch([key(i)], NOW + i)
         rl.flush()
-        assert len(rl._pending) == 4
+        assert len(_queued(rl)) == 4
     assert rl.dropped == 15
     monkeypatch.undo()  # the disk has room again
     assert rl.flush() == 4
@@ -409,3 +416,122 @@ def test_a_fifo_among_the_logs_hangs_neither_the_index_nor_a_fold_nor_an_owner(t
         pytest.fail("a FIFO in owners/ blocked the recency code")
     assert out["index"] == {b"\x01" * 32: ts}
     assert out["written"] == 0  # the owner's own name is a FIFO: nothing written, nothing hung
+
+
+def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class _CountingRecord(struct.Struct):
+    """RECORD that counts the records packed: what a flush costs the flusher, on the GIL."""
+
+    packed = 0
+
+    def pack(self, *values: object) -> bytes:
+        type(self).packed += 1
+        return super().pack(*values)
+
+
+def test_a_failing_root_backs_off_alone(tmp_path, monkeypatch):
+    """The back-off was the flusher's: while one root's log could not be written, a promise of a
+    block in a healthy root waited out the failing root's interval, and another owner's evictor could
+    remove that block meanwhile.  The failing root's backlog must not be packed again at each promise
+    either (the flusher runs at every promise)."""
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    backlog = [bytes([2 * i]) + bytes(31) for i in range(100)]  # all in root 0
+    healthy = [bytes([2 * i + 1]) + bytes(31) for i in range(3)]  # root 1
+    monkeypatch.setattr(_CountingRecord, "packed", 0)
+    rl = RecencyLog(roots, "a", flush_interval_s=60)
+    try:
+        attempts = _failing_writes(monkeypatch, only_fd=lambda: rl._logs[0].fd)
+        rl.promise(backlog)
+        assert _wait_for(lambda: rl.failing)
+        monkeypatch.setattr(recency, "RECORD", _CountingRecord(RECORD.format))
+        for n, k in enumerate(healthy, 1):
+            rl.promise([k])
+            assert _wait_for(lambda: k in load_recency(roots[1])), "the healthy root waited for the failing one"
+            assert _CountingRecord.packed == n  # its own record, not root 0's backlog as well
+        rl.promise([backlog[0]])  # root 0 backs off: queued by the flusher, not retried at this promise
+        assert _wait_for(lambda: [len(ks) for _, ks in rl._held[0]] == [len(backlog), 1])
+        assert len(attempts) == 1 and _CountingRecord.packed == len(healthy)
+        assert load_recency(roots[0]) == {}
+    finally:
+        rl.close()
+
+
+def test_a_root_backing_off_is_retried_by_the_flusher_on_its_own(tmp_path, monkeypatch):
+    """Its backlog waits for its interval, not for a promise or a write to another root."""
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    k0 = bytes([0]) + bytes(31)
+    rl = RecencyLog(roots, "a", flush_interval_s=0.05)
+    try:
+        attempts = _failing_writes(monkeypatch, times=1, only_fd=lambda: rl._logs[0].fd)
+        rl.promise([k0])
+        assert _wait_for(lambda: k0 in load_recency(roots[0]))
+        assert len(attempts) == 2 and not rl.failing and _queued(rl) == []
+    finally:
+        rl.close()
+
+
+def test_a_failing_roots_backlog_goes_before_a_healthy_roots_new_touches(tmp_path, monkeypatch):
+    """The bound holds over every root's queue, and what it drops is the oldest: a root that keeps
+    failing fills the queue, and must not make another root's new promise the one dropped."""
+    monkeypatch.setattr(recency, "MAX_PENDING_BATCHES", 4)
+    roots = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    rl = RecencyLog(roots, "a", flush_interval_s=0)
+    rl.touch([bytes([1]) + bytes(31)], NOW)
+    rl.flush()  # opens root 1's log
+    with pytest.MonkeyPatch.context() as mp:
+        _failing_writes(mp, only_fd=lambda: rl._logs[0].fd)
+        for i in range(6):
+            rl.touch([bytes([2 * i]) + bytes(31)], NOW + i)
+            rl.flush()
+        assert len(_queued(rl)) == 4 and rl.dropped == 2
+        fresh = bytes([3]) + bytes(31)
+        rl.touch([fresh, bytes([12]) + bytes(31)], NOW + 9)  # one batch over both roots
+        assert rl.flush() == 1
+        assert fresh in load_recency(roots[1])
+        assert _queued(rl) == [[bytes([2 * i]) + bytes(31)] for i in (3, 4, 5)] + [[bytes([12]) + bytes(31)]]
+        assert rl.dropped == 3
+    assert rl.flush() == 4
+    assert set(load_recency(roots[0])) == {bytes([2 * i]) + bytes(31) for i in (3, 4, 5, 6)}
+    rl.close()
+
+
+@pytest.mark.parametrize("n_roots", [1, 2])
+def test_this_processs_evictor_keeps_the_blocks_it_promised_while_its_log_cannot_be_written(
+        tmp_path, monkeypatch, n_roots):
+    """A full disk is when eviction runs, and when no access log can be written: the promise stayed
+    queued, and the serving process's own evictor removed the block whose load was about to start."""
+    from gds_kv_connector.capacity import CapacityGuard
+    from gds_kv_connector.pool import BlockPool
+    from gds_kv_connector.pool_format import ZERO_KEY, BlockHeader
+    from gds_kv_connector.pool_scan import scan_pool
+
+    roots = [str(tmp_path / f"r{i}") for i in range(n_roots)]
+    pool = BlockPool(tuple(roots), b"\x11" * 32, 4096, 4, geometry_note="test")
+    keys = [bytes([1]) + i.to_bytes(31, "big") for i in range(6)]  # the last root's, with two roots
+    for k in keys:
+        fd, tmp = pool.create_tmp(k, BlockHeader(pool.fingerprint, k, 4096, 0, 1, 4, 1, ZERO_KEY))
+        os.pwrite(fd, b"\x5a" * 4096, 4096)
+        assert pool.publish(fd, tmp, k)
+        os.utime(pool.path_for(k), ns=(1, 1))  # old: only an access keeps a block
+    rl = RecencyLog(roots, "own", flush_interval_s=0)
+    guard = CapacityGuard(roots, quota_bytes=4 * 8192, low_watermark=0.5, min_free_bytes=0, grace_s=600,
+                          recency=rl, check_interval_s=3600)
+    try:
+        _failing_writes(monkeypatch)  # the disk is full
+        rl.promise([keys[0]])  # the first block a run would remove, all being as old
+        assert guard.check_now(timeout=30)
+        assert load_recency(roots[-1]) == {}  # no owner could read the promise from a log
+        rep = guard.last_reports[-1]
+        assert rep.evicted_blocks == 4 and rep.protected_blocks == 1
+        assert {b.key for r in roots for b in scan_pool(r).blocks} == {keys[0], keys[5]}
+    finally:
+        guard.close()
+        rl.close()
