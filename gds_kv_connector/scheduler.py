@@ -257,10 +257,14 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         st.pending_load = None
         n = len(keys)
         ids = block_ids[first:first + n]
-        if len(ids) < n:
-            raise RuntimeError(f"gds-kv-connector: request {st.rid} was promised {n} blocks from "
-                               f"block {first} but only {len(ids)} pages were allocated")
         cut = self._cancelled.pop(st.rid, ()) if self._cancelled else ()
+        if len(ids) < n:
+            # V2 reserves pages for less than the offer when they run short (after handing the
+            # offer, or its tail, back with cancel_load, or with chunked prefill's first chunk
+            # only): the runtime computes the blocks without a page itself, so they are cut
+            tpb = self._tpb
+            cut = [*cut, ((first + len(ids)) * tpb, (first + n) * tpb)]
+            ids = [*ids, *[-1] * (n - len(ids))]
         self._queue_load(st, first, keys, ids, is_async, cut)
 
     def _queue_load(self, st: _Request, first: int, keys: Sequence[bytes], ids: Sequence[int], is_async: bool,

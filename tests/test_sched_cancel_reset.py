@@ -164,3 +164,38 @@ def test_a_reset_request_s_queued_load_is_dropped():
         assert [rid for rid, _ in loads].count(1) == 1
     finally:
         ex.worker.shutdown()
+
+
+class ShortAllocation(Trimming):
+    """V2 with pages running short: the offer's tail is handed back with cancel_load before the
+    allocation, which then covers only the honoured head and the first chunk (fewer pages than the
+    offer; TensorRT-LLM's test_offer_is_handed_back_when_pages_run_out)."""
+
+    def _admit(self):
+        tpb = self.cfg.shape.tokens_per_block
+        while self.waiting:
+            req = self.waiting.popleft()
+            need = -(-len(req.prompt) // tpb)
+            req.block_ids = [self.free.popleft() for _ in range(need)]
+            req.hashes.extend_to(req.tokens, len(req.prompt))
+            matched, _ = self.sched.get_num_new_matched_tokens(req, 0)
+            honoured = min(matched, self.honour_blocks * tpb)
+            if honoured < matched:
+                self.sched.cancel_load(req, honoured, matched)
+            self.sched.update_state_after_alloc(req, req.block_ids[:self.honour_blocks + 1])
+            req.pos, req.external, req.load_async = honoured, honoured, False
+            req.verified_blocks = 0
+            self.stats.loaded_tokens += honoured
+            req.state = State.CONTEXT
+        return False
+
+
+@pytest.mark.parametrize("honour", [0, 1])
+def test_an_allocation_shorter_than_the_offer_loads_what_has_pages(honour):
+    """It raised ("promised n blocks ... only k pages were allocated") inside the runtime's
+    resource preparation, which kills the executor."""
+    _run(ReferenceExecutor, PROMPT[:13], 0)  # blocks 0..2 in the pool
+    ShortAllocation.honour_blocks = honour
+    stats = _run(ShortAllocation, PROMPT, 1, chunk_size=4)
+    assert stats.loaded_tokens == honour * TPB
+    _run(ReferenceExecutor, PROMPT, 2)  # what was saved meanwhile is the prefix's KV (checked on load)
