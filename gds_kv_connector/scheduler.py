@@ -483,6 +483,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             return False
         if self._cancelled:
             self._cancelled.pop(rid, None)
+        if self._out_loads:  # ended after its allocation, before the metadata that carries its load:
+            self._unqueue_loads(rid)  # that load would write pages the runtime frees now
         prefilled = rid not in self._prefilling
         self._prefilling.discard(rid)
         if self._save:  # the final tokens and block ids matter only to the last save
