@@ -387,6 +387,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         for rd in reports:
             st = reqs.get(rd.request_id)
             if st is None:
+                if not first:  # its earlier tokens and pages are unknown here (its state was dropped
+                    continue   # by request_reset): keys of a suffix would name another prefix's KV
                 st = self._state(rd.request_id, _cache_salt(rd))
             if first and not st.reported:
                 if rd.new_tokens:

@@ -127,3 +127,14 @@ def test_a_request_ended_before_the_metadata_that_carries_its_load_does_not_load
     sched.request_finished(req, [3, 4, 5])
     meta = _plan(sched)
     assert not (meta and meta.loads)
+
+
+def test_a_decode_report_of_a_request_without_state_saves_nothing(pair, monkeypatch):
+    """A request whose state request_reset dropped, reported again as cached rather than new: its
+    report carries only the tokens and pages since the last one, and keys made from those would
+    name the KV of another prefix."""
+    monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", "eager")
+    sched, _ = pair()
+    tokens = list(range(400, 408))  # two full blocks of some later position's tokens
+    meta = _plan(sched, cached=[RequestData(9, tokens, [5, 6], 40, len(tokens))])
+    assert not (meta and meta.saves)
