@@ -487,7 +487,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._cancelled.pop(rid, None)
         if self._out_loads:  # ended after its allocation, before the metadata that carries its load:
             self._unqueue_loads(rid)  # that load would write pages the runtime frees now
-        prefilled = rid not in self._prefilling
+        # eager saving folds every report, so its KV end says whether the prompt was computed
+        prefilled = st.kv_end >= st.prompt_len if self._fold_decode else rid not in self._prefilling
         self._prefilling.discard(rid)
         if self._save:  # the final tokens and block ids matter only to the last save
             tpb, base = self._tpb, st.base
@@ -511,8 +512,9 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             # final save waits for; the last one's KV never was (with speculative decoding its
             # position may hold a rejected draft's, which a decode report counted as written).
             total = count if count is not None else st.base + len(st.tokens)
-            if not self._fold_decode and prefilled and st.reported and total - 1 > st.kv_end:
-                st.kv_end = total - 1  # its decode reports were not folded
+            if prefilled and st.reported and total - 1 > st.kv_end:
+                # its decode reports were not folded, or the last one lags a step (overlap scheduler)
+                st.kv_end = total - 1
             elif st.kv_end > total - 1:
                 st.kv_end = total - 1
             dispatched = st.dispatched

@@ -206,3 +206,36 @@ def test_a_long_request_reads_only_its_new_tokens_at_the_end(connector, mode):
     other.whole = 0
     sched.request_finished(other, pages)
     assert other.whole == 1 and delivered == []
+
+
+@pytest.mark.parametrize("mode", ["eager", "finish"])
+def test_with_the_overlap_scheduler_every_block_with_kv_is_saved(pool_env, monkeypatch, mode):
+    """The overlap scheduler reports a sampled token one step late, so eager saving's last report
+    did not cover the final forward's KV: its last full block was never saved."""
+    import random
+
+    from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+    from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
+
+    monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", mode)
+    shape = ModelShape(num_layers=1, kv_factor=2, block_elems=128, tokens_per_block=TPB)
+
+    def run(req, overlap):
+        la = fake_llm_args(TPB, model="overlap-saves")
+        ex = ReferenceExecutor(GdsKvConnectorScheduler(la), GdsKvConnectorWorker(la),
+                               ExecutorConfig(shape=shape, num_blocks=64, overlap=overlap))
+        try:
+            ex.submit(req)
+            ex.run_until_done()
+            for _ in range(3):  # the finished request's saves complete
+                ex.step()
+            return ex
+        finally:
+            ex.worker.shutdown()
+
+    rng = random.Random(1)
+    ex = run(SimRequest(0, [rng.randrange(30000) for _ in range(22)], max_new_tokens=7), overlap=True)
+    conversation = ex.reqs[0].tokens  # 29 tokens, the last one's KV never computed: 7 full blocks
+    assert ex.worker.stats.snapshot().get("blocks_saved") == 7
+    again = run(SimRequest(1, conversation + [5], max_new_tokens=1), overlap=False)
+    assert again.stats.loaded_tokens == 7 * TPB
