@@ -89,7 +89,7 @@ def read_owner_stats(root: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     try:
         names = os.listdir(d)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # gone, or unreadable to this user (gds-kv stats counts it as unreadable)
         return out
     for name in names:
         stem = name[:-len(STATS_SUFFIX)]

@@ -145,14 +145,16 @@ def _stats_root(root: str, now: float, archive: RetiredOwners | None) -> dict[st
         tpb = entry["tokens_per_block"]
         entry["tokens"] = entry["blocks"] * tpb if isinstance(tpb, int) else None
     slab_tmp: list[int] = []
+    unreadable = [scan.unreadable]  # with what this function cannot read: reported, not counted
     for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are
         slab_dir = os.path.join(layout_dir(root), fp, SLABS_DIR)
-        names = list_dir(slab_dir)
-        sizes = _sizes(os.path.join(slab_dir, n) for n in names if n.endswith(SLAB_SUFFIX))
+        names = _names(slab_dir, unreadable)
+        sizes = _sizes((os.path.join(slab_dir, n) for n in names if n.endswith(SLAB_SUFFIX) and n[0] != "."),
+                       unreadable)
         entry["slabs"], entry["slab_bytes"] = len(sizes), sum(sizes)
         # a slab being created, or left so by a creator that died (gc removes those): a whole
         # slab's bytes each, on disk or in host memory, under no slab name
-        slab_tmp += _sizes(os.path.join(slab_dir, n) for n in names if slab_of_tmp_name(n) is not None)
+        slab_tmp += _sizes((os.path.join(slab_dir, n) for n in names if slab_of_tmp_name(n) is not None), unreadable)
     now_ns = int(now * 1e9)
     owners = {}
     folded = archive.folded if archive is not None else {}
@@ -162,14 +164,15 @@ def _stats_root(root: str, now: float, archive: RetiredOwners | None) -> dict[st
         updated = data["updated_ns"]
         owners[name] = {**data, "age_s": round(now - updated / 1e9, 1) if updated is not None else None,
                         "live": live(data, now_ns)}
-    qfiles = _files_with_sizes(quarantine_dir(root))
-    logs = _files_with_sizes(owners_dir(root), ACCESS_SUFFIX)
+    qfiles = _files_with_sizes(quarantine_dir(root), "", unreadable)
+    logs = _files_with_sizes(owners_dir(root), ACCESS_SUFFIX, unreadable)
+    tmp = _sizes(scan.tmp, unreadable)
     return {"root": os.path.abspath(root), "blocks": len(scan.blocks), "bytes": scan.block_bytes,
             "fingerprints": per_fp,
             "quarantine": {"files": len(qfiles), "bytes": sum(qfiles)},
-            "tmp": {"files": len(scan.tmp), "bytes": sum(_sizes(scan.tmp))},
+            "tmp": {"files": len(scan.tmp), "bytes": sum(tmp)},
             "slab_tmp": {"files": len(slab_tmp), "bytes": sum(slab_tmp)},
-            "foreign_entries": scan.foreign, "unreadable_entries": scan.unreadable,
+            "foreign_entries": scan.foreign, "unreadable_entries": unreadable[0],
             "access_logs": {"files": len(logs), "bytes": sum(logs)},
             "filesystem": _filesystems([root]), **_owner_totals(owners, _retired([archive])),
             "exit_code": EXIT_OK}
@@ -602,21 +605,29 @@ def _progress(total: int, enabled: bool) -> Callable[..., None]:
     return tick
 
 
-def _files_with_sizes(d: str, suffix: str = "") -> list[int]:
+def _files_with_sizes(d: str, suffix: str, unreadable: list[int]) -> list[int]:
+    return _sizes((os.path.join(d, n) for n in _names(d, unreadable) if n.endswith(suffix)), unreadable)
+
+
+def _names(d: str, unreadable: list[int]) -> list[str]:
+    """Names in ``d``; none where it is gone, and where it cannot be read (an owner's directory
+    without ``TLLM_GDS_KV_SHARE_GROUP``) one more in ``unreadable[0]``: stats says so, not crashes."""
     try:
-        names = [n for n in os.listdir(d) if n.endswith(suffix)]
-    except FileNotFoundError:
+        return list_dir(d)
+    except OSError:
+        unreadable[0] += 1
         return []
-    return list(_sizes(os.path.join(d, n) for n in names))
 
 
-def _sizes(paths: Iterable[str]) -> list[int]:
+def _sizes(paths: Iterable[str], unreadable: list[int]) -> list[int]:
     out = []
     for p in paths:
         try:
             out.append(os.stat(p, follow_symlinks=False).st_size)
         except FileNotFoundError:
             pass
+        except OSError:
+            unreadable[0] += 1
     return out
 
 

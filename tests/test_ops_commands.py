@@ -333,3 +333,28 @@ def test_cli_says_an_os_error_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ops, "stats", denied)
     assert cli.main(["stats", "--root", str(tmp_path)]) == EXIT_PROBLEMS
     assert capsys.readouterr().err == "gds-kv: Permission denied: /pool/gdskv-v1/owners\n"
+
+
+def test_stats_reports_directories_it_cannot_read_instead_of_failing(tmp_path, engine, monkeypatch):
+    """An owner's quarantine or owners directory made without TLLM_GDS_KV_SHARE_GROUP is unreadable
+    to another user: stats stopped with PermissionError.  A hidden ``.x.slab`` is not a slab either
+    (gc and the format skip names starting with a dot)."""
+    root = str(tmp_path / "a")
+    fill_roots((root,), engine, [0, 1])
+    slab_dir = os.path.join(root, "gdskv-v1", "09" * 8, "slabs")
+    os.makedirs(slab_dir)
+    for name in ("node1-1-0.slab", ".x.slab"):
+        with open(os.path.join(slab_dir, name), "wb") as fh:
+            fh.truncate(4096)
+    denied = {os.path.join(root, "gdskv-v1", d) for d in ("quarantine", "owners")}
+    real = os.listdir
+
+    def listdir(d="."):
+        if os.fspath(d) in denied:
+            raise PermissionError(13, "Permission denied", d)
+        return real(d)
+    monkeypatch.setattr(os, "listdir", listdir)
+    result = stats(root)
+    assert result["unreadable_entries"] == 2 and result["owners"] == {}
+    assert result["fingerprints"]["09" * 8]["slabs"] == 1
+    assert "cannot read (not counted): 2" in format_stats(result)
