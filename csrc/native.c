@@ -290,7 +290,14 @@ static PyObject *write_headers(PyObject *self, PyObject *args) {
         memcpy(h + 88, (const unsigned char *)s.buf + i * 8, 8);
         memcpy(h + 120, (const unsigned char *)p.buf + i * KEY, KEY);
         put32(h + CRC_AT, crc32(0, h, CRC_AT));
-        memcpy(addr_at(&a, i), h, FIELDS);
+        /* The magic last, after a release fence: written in one memcpy, magic first, the header
+         * was for a moment the slot's old one again (libc stores the first 32 bytes, which old and
+         * new share, before the key and time) over the new payload, and a reader's after-copy
+         * check (first_changed) landing there took another key's bytes for its own. */
+        unsigned char *slot = addr_at(&a, i);
+        memcpy(slot + 8, h + 8, FIELDS - 8);
+        atomic_thread_fence(memory_order_release);
+        memcpy(slot, h, 8);
     }
     take_gil_back(saved);
     PyBuffer_Release(&s);
@@ -333,6 +340,7 @@ static int zero_tail(const unsigned char *h) { return memcmp(h + FIELDS, ZEROS, 
 static const char *header_fault(const unsigned char *h, const unsigned char *fp, const unsigned char *key,
                                 uint64_t created, uint64_t payload_len) {
     if (memcmp(h, MAGIC, 8)) return "bad magic";
+    atomic_thread_fence(memory_order_acquire); /* the fields read next are those the magic was written after */
     if (get32(h + 8) != 1) return "unsupported format version";
     if (get32(h + 12) != HEADER_SIZE) return "bad header_size";
     if (get32(h + CRC_AT) != crc32(0, h, CRC_AT)) return "header checksum mismatch";
@@ -427,7 +435,12 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     Py_ssize_t hit = -1;
     PyThreadState *saved = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (memcmp(addr_at(&a, i), (const unsigned char *)f.buf + i * FIELDS, FIELDS)) {
+        /* the magic first (write_headers writes it last): a slot being rewritten has it zero until
+         * all its new fields are in place, so unchanged fields after it are the ones checked */
+        const unsigned char *h = addr_at(&a, i), *was = (const unsigned char *)f.buf + i * FIELDS;
+        int changed = memcmp(h, was, 8) != 0;
+        atomic_thread_fence(memory_order_acquire);
+        if (changed || memcmp(h + 8, was + 8, FIELDS - 8)) {
             hit = i;
             break;
         }

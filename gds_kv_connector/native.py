@@ -73,14 +73,16 @@ def clear_headers(addrs: Sequence[int]) -> None:
 def write_headers(addrs: Sequence[int], fingerprint: bytes, keys: list[bytes], parents: list[bytes],
                   sums: list[int], payload_len: int, checksum_algo: int, tokens_per_block: int,
                   created_ns: int) -> None:
-    """Write each slot's header fields (BlockHeader.pack_fields); the zero tail is left as it is."""
+    """Write each slot's header fields (BlockHeader.pack_fields), the magic last; the zero tail is
+    left as it is."""
     if _lib is not None:
         _lib.write_headers(array("Q", addrs), fingerprint, b"".join(keys), b"".join(parents), array("Q", sums),
                            payload_len, checksum_algo, tokens_per_block, created_ns)
         return
     for a, k, p, s in zip(addrs, keys, parents, sums):
         fields = BlockHeader(fingerprint, k, payload_len, s, checksum_algo, tokens_per_block, created_ns, p).pack_fields()
-        ctypes.memmove(a, fields, HEADER_FIELDS_SIZE)
+        ctypes.memmove(a + 8, fields[8:], HEADER_FIELDS_SIZE - 8)  # the magic last, as the C loop says why
+        ctypes.memmove(a, fields, 8)
 
 
 def check_headers(addrs: Sequence[int], fingerprint: bytes, keys: list[bytes], created_ns: list[int],
@@ -117,7 +119,8 @@ def first_changed(addrs: Sequence[int], fields: bytes) -> int:
     if _lib is not None:
         return _lib.first_changed(array("Q", addrs), fields)
     for i, a in enumerate(addrs):
-        if ctypes.string_at(a, HEADER_FIELDS_SIZE) != fields[i * HEADER_FIELDS_SIZE:(i + 1) * HEADER_FIELDS_SIZE]:
+        was = fields[i * HEADER_FIELDS_SIZE:(i + 1) * HEADER_FIELDS_SIZE]
+        if ctypes.string_at(a, 8) != was[:8] or ctypes.string_at(a + 8, HEADER_FIELDS_SIZE - 8) != was[8:]:
             return i
     return -1
 

@@ -301,3 +301,41 @@ def test_chain_present_equals_chain_keys_then_present_run(tmp_path, blocks):
         lib.chain_present(seed, tokens, 3, 4, blocks, dirs[:255], ".blk")
     with pytest.raises(TypeError):  # a token that is not an int: the hasher and stat threads stop
         lib.chain_present(seed, tokens[:1] + ["x"] + tokens[2:], 0, 4, blocks, dirs, ".blk")
+
+
+_MAGIC_LAST_CHILD = r"""
+import ctypes, hashlib, mmap, sys
+from gds_kv_connector import native
+if sys.argv[2] == "python":
+    native._lib = None
+libc = ctypes.CDLL(None, use_errno=True)
+page = mmap.PAGESIZE
+with open(sys.argv[1], "r+b") as fh:
+    m = mmap.mmap(fh.fileno(), 2 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+addr = base + page - 8  # the magic ends the first page, the other fields start the second
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base, page, mmap.PROT_READ) == 0
+key = hashlib.sha256(b"k").digest()
+native.write_headers([addr], hashlib.sha256(b"native-test").digest(), [key], [key], [5], 12345, 1, 32, 9)
+"""
+
+
+def test_a_slot_header_s_magic_is_written_after_its_other_fields(native_impl, tmp_path):
+    """A header written magic first was for a moment the slot's previous header again over the new
+    payload (old and new share their first 32 bytes), which a reader's after-copy check took for
+    unchanged.  The magic is put on a read-only page: the write faults there, and the fields on the
+    next page must already be written."""
+    import mmap
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "slot"
+    path.write_bytes(bytes(2 * mmap.PAGESIZE))
+    child = subprocess.run([sys.executable, "-c", _MAGIC_LAST_CHILD, str(path),
+                            "c" if native._lib is not None else "python"], capture_output=True, timeout=60)
+    assert child.returncode == -signal.SIGSEGV, child.stderr.decode()[-2000:]
+    written = path.read_bytes()[mmap.PAGESIZE:mmap.PAGESIZE + HEADER_FIELDS_SIZE - 8]
+    key = hashlib.sha256(b"k").digest()
+    assert written == BlockHeader(FP, key, 12345, 5, 1, 32, 9, key).pack_fields()[8:]
