@@ -30,6 +30,9 @@ class SaveOp(NamedTuple):
 class GdsKvMetadata:
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    # Requests reset (V2 ``request_reset``) since the last metadata, under plain TP: every rank's
+    # worker fences their transfers when it binds this, before the forward that may reuse their pages.
+    resets: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.resets)

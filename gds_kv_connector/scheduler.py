@@ -137,6 +137,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
         self._out_loads: list[LoadOp] = []
+        self._out_resets: list[int] = []  # reset requests the workers fence at the next metadata (plain TP)
         self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
@@ -329,13 +330,24 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._queue_load(st, first, st.keys[first:end_block], pages, queued[0].is_async, [(start, end)])
 
     def request_reset(self, request: Any) -> None:
-        """V2: the allocation was released and the request replays from scratch; a load of it not
-        yet handed to the workers would write pages it no longer holds."""
+        """V2: the allocation was released and the request replays from scratch; its pages may hold
+        another request's KV after the next forward.  A load of it not yet handed to the workers is
+        dropped here.  Transfers already handed over are fenced (``TransferManager.fence``) before
+        that forward: a save reading the pages later would publish another request's KV under this
+        one's keys, a load would write into another request's pages.  The process's only worker is
+        fenced now, and this raises ConnectorFailure if a transfer outlives the control grace (a
+        wrong publish is worse than a crash); under plain TP every rank's worker fences when it
+        binds the next metadata, which carries the id."""
         rid = _request_id(request)
-        self._reqs.pop(rid, None)
+        st = self._reqs.pop(rid, None)
         self._prefilling.discard(rid)
         self._cancelled.pop(rid, None)
         self._unqueue_loads(rid)
+        if st is not None and st.dispatched:
+            if self._sole_worker:
+                self._connect().fence([rid])
+            else:
+                self._out_resets.append(rid)
 
     def _unqueue_loads(self, rid: int) -> list[LoadOp]:
         """Take the request's loads not yet handed to the workers out of the queue."""
@@ -353,11 +365,13 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._fold_reports(scheduler_output.new_requests, True, saves)
         self._fold_reports(scheduler_output.cached_requests, False, saves)
         self._flush_match_counts()
-        loads = self._out_loads
-        if not loads and not saves:
+        loads, resets = self._out_loads, self._out_resets
+        if not loads and not saves and not resets:
             return None
         self._out_loads = []
-        return GdsKvMetadata(loads, saves)
+        if resets:
+            self._out_resets = []
+        return GdsKvMetadata(loads, saves, resets)
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,

@@ -110,10 +110,18 @@ SPECS: tuple[SettingSpec, ...] = (
                 "publish).", lambda v: None if 1 <= v <= 64 else "must be 1..64"),
     SettingSpec("async_load_bytes", 4 << 20, parse_size, "Loads larger than this many bytes are asynchronous "
                 "(the request is parked); smaller ones complete before the first layer runs.", _non_negative),
-    SettingSpec("deadline_s", 60.0, float, "Connector-side deadline for one transfer batch, from acceptance. "
-                "Keep it well under TensorRT-LLM's transfer timeout.", _positive),
-    SettingSpec("control_grace_s", 1.0, float, "How long cancellation and shutdown wait for in-flight I/O "
-                "to drain.", _positive),
+    SettingSpec("deadline_s", 60.0, float, "Connector-side deadline for one transfer batch. A load must "
+                "complete within it from acceptance, or the process fails. A save that has not started "
+                "within it is dropped (counted), and one that is still writing this long after it started "
+                "fails the process while its finished request waits for it (its pages cannot be freed "
+                "before the write ends). Keep it well under TensorRT-LLM's transfer timeout.", _positive),
+    SettingSpec("max_queued_save_bytes", 4 << 30, parse_size, "Bytes of saves accepted and not yet done "
+                "(queued or being written) per worker; saves beyond it are dropped (counted), never queued. "
+                "It bounds the KV pages finished requests hold while their saves wait, and how long a save "
+                "waits for storage slower than the KV produced: 4GiB is a few percent of a large GPU's KV "
+                "cache and about a second of writes to one NVMe drive. 0 means unbounded.", _non_negative),
+    SettingSpec("control_grace_s", 1.0, float, "How long cancellation, shutdown and request_reset wait for "
+                "in-flight I/O to drain.", _positive),
     SettingSpec("read_retries", 2, int, "Retries of a transient read error (EIO, EAGAIN, EINTR, ETIMEDOUT) "
                 "within the deadline, after a pause of 10 ms doubled for each further one.",
                 lambda v: None if 0 <= v <= 20 else "must be 0..20"),
@@ -176,6 +184,7 @@ class Settings:
     transfer_threads: int
     async_load_bytes: int
     deadline_s: float
+    max_queued_save_bytes: int
     control_grace_s: float
     read_retries: int
     fsync: bool

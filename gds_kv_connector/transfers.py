@@ -4,6 +4,11 @@ The executor calls ``start_load_kv`` and ``wait_for_save`` only in iterations th
 forward, so every accepted batch must finish on its own threads; ``get_finished`` (called
 every iteration) only looks at futures with ``done()``.  A batch first waits for the CUDA
 event that orders it after the forward stream, then moves bytes through the pool layer.
+
+Saves are best-effort and loads are not: a load is waited for (by the forward, or by a parked
+request), so transfer threads take every queued load before any queued save, and storage slower
+than the KV the forward produces costs saves (dropped beyond ``max_queued_save_bytes``, or when
+they cannot start before the deadline), never the process.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_blocks
 from .engines.base import IoEngine
@@ -38,6 +43,12 @@ log = logging.getLogger(__name__)
 MERGE_BYTES = 64 << 20
 
 
+# Which queue a batch of each kind waits in: transfer threads take from the first non-empty one, so
+# a synchronous load (the forward waits for it) passes asynchronous ones, and every load passes
+# saves, which nothing waits for until their request finishes.
+_QUEUE_OF = {"sync": 0, "load": 1, "save": 2}
+
+
 @dataclass(slots=True)
 class _Batch:
     """One future's work: the ops of one or more requests merged by ``_batches``.
@@ -48,8 +59,12 @@ class _Batch:
     kind: str  # "save", "load" (asynchronous) or "sync" (a synchronous load)
     future: Future
     accepted: float
-    ops: list[Any]
+    ops: list[Any]  # what the requests' counts were raised for; settled as such
     nbytes: int
+    run: list[Any]  # what the batch moves: ``ops`` less those of requests fenced before it started
+    event: Any
+    deadline: float
+    started: float = 0.0  # when a transfer thread took it (0 until then)
 
     @property
     def shared(self) -> bool:
@@ -83,6 +98,12 @@ class TransferManager:
         self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
         self._load_failed: dict[int, BaseException] = {}  # a failed async load, until its request is polled
         self._sync_loads: list[_Batch] = []
+        self._queues: tuple[collections.deque[_Batch], ...] = (collections.deque(), collections.deque(),
+                                                               collections.deque())
+        # Held while a transfer thread starts a batch and while a fence filters one, so a batch is
+        # either started with its fenced ops already out, or running where the fence waits for it.
+        self._start_lock = threading.Lock()
+        self._save_bytes = 0  # payload bytes of save batches accepted and not yet settled
         self._finishing: dict[int, float] = {}  # request id -> when it was handed to us
         self._loading: dict[int, float] = {}
         self._inbox: queue.SimpleQueue[list[SaveOp]] = queue.SimpleQueue()
@@ -103,13 +124,13 @@ class TransferManager:
             ops = [op for op in ops if op.keys]
         sync = [op for op in ops if not op.is_async]
         if sync:  # waited for together before the first layer: batched apart from async loads
-            self._sync_loads.extend(self._submit_many(sync, "sync", self._run_load, event))
+            self._sync_loads.extend(self._submit_many(sync, "sync", event))
         if len(sync) < len(ops):
-            self._submit_many([op for op in ops if op.is_async], "load", self._run_load, event)
+            self._submit_many([op for op in ops if op.is_async], "load", event)
 
     def submit_saves(self, ops: list[SaveOp], event: Any) -> None:
         self._check_open()
-        self._submit_many(ops, "save", self._run_save, event)
+        self._submit_many(ops, "save", event)
 
     def submit_load(self, op: LoadOp, event: Any) -> None:
         self.submit_loads([op], event)
@@ -127,34 +148,97 @@ class TransferManager:
         ``stream`` when they arrive if none was: later on the same stream is still after the forward."""
         self._forward_stream, self._last_event = stream, event
 
-    def _submit_many(self, ops: list[Any], kind: str, fn: Callable[[Any, Any, float], Any],
-                     event: Any) -> list[_Batch]:
-        """Merge the ops into batches (``_batches``), one future each, run by at most
-        ``transfer_threads`` runners that take batches from a shared queue: the executor thread
-        pays one thread-pool hand-off (``_fan_out`` starts the other runners), and no runner idles
-        while work is left."""
+    def _submit_many(self, ops: list[Any], kind: str, event: Any) -> list[_Batch]:
+        """Merge the ops into batches (``_batches``), one future each, queued by kind and run by at
+        most ``transfer_threads`` runners that take batches from the shared queues: the executor
+        thread pays one thread-pool hand-off (``_fan_out`` starts the other runners), and no runner
+        idles while work is left."""
         now = time.monotonic()
         deadline = now + self.settings.deadline_s
         payload = self.pool.payload_len
+        threads = self.settings.transfer_threads
+        groups = _batches(ops, payload, threads)
+        if kind == "save":
+            groups = self._within_backlog(groups, payload)
+            if not groups:
+                return []
         pending = self._pending
         loads = self._pending_loads if kind == "load" else None
         batches: list[_Batch] = []
-        work: collections.deque = collections.deque()
-        for group, blocks in _batches(ops, payload, self.settings.transfer_threads):
-            future: Future = Future()
-            batches.append(_Batch(kind, future, now, group, blocks * payload))
+        for group, blocks in groups:
+            batches.append(_Batch(kind, Future(), now, group, blocks * payload, group, event, deadline))
             for op in group:
                 rid = op.request_id
                 pending[rid] = pending.get(rid, 0) + 1
                 if loads is not None:
                     loads[rid] = loads.get(rid, 0) + 1
-            work.append((group, future))
         self._inflight += batches
-        self._exec.submit(_fan_out, self._exec, min(len(work), self.settings.transfer_threads), work, fn, event,
-                          deadline)
+        self._queues[_QUEUE_OF[kind]].extend(batches)
+        self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
         return batches
 
+    def _within_backlog(self, groups: list[tuple[list[SaveOp], int]], payload: int) -> list[tuple[list[SaveOp], int]]:
+        """The save batches that fit under ``max_queued_save_bytes`` with those already accepted; the
+        rest is dropped and counted, never queued.  Unbounded, saves that storage cannot keep up with
+        queue without end: each holds its finished request's pages while it waits, and waits longer
+        than the one before.  Where a batch does not fit, each request keeps its first blocks that do
+        (a block is found only after the blocks before it)."""
+        limit = self.settings.max_queued_save_bytes
+        blocks = sum(n for _, n in groups)
+        if not limit or self._save_bytes + blocks * payload <= limit:
+            self._save_bytes += blocks * payload
+            return groups
+        room = max(limit - self._save_bytes, 0) // payload
+        kept: list[tuple[list[SaveOp], int]] = []
+        saved = 0
+        for group, n in groups:
+            if n > room:
+                fit: list[SaveOp] = []
+                n = 0
+                for op in group:
+                    take = min(len(op.keys), room - n)
+                    if take <= 0:
+                        break
+                    fit.append(op if take == len(op.keys) else
+                               op._replace(keys=op.keys[:take], parents=op.parents[:take],
+                                           block_ids=op.block_ids[:take]))
+                    n += take
+                group = fit
+            if group:
+                kept.append((group, n))
+                room -= n
+                saved += n
+        self._save_bytes += saved * payload
+        self.stats.add("save_blocks_dropped_backlog", blocks - saved)
+        if "backlog" not in self._causes_logged:
+            self._causes_logged.add("backlog")
+            log.warning("gds-kv-connector: dropping saves beyond TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES=%d (storage "
+                        "writes slower than the KV is produced); serving continues, further drops are only "
+                        "counted (save_blocks_dropped_backlog)", limit)
+        return kept
+
     # -- transfer threads -------------------------------------------------------------------------
+    def _run_queued(self) -> None:
+        """A runner: take batches until none is left, from the first non-empty queue (loads before
+        saves); a cancelled one is skipped.  Several requests' ops are merged here, on the transfer
+        thread, not by the executor thread."""
+        queues, lock = self._queues, self._start_lock
+        while True:
+            batch = _take(queues)
+            if batch is None:
+                return
+            future = batch.future
+            with lock:
+                if not future.set_running_or_notify_cancel():
+                    continue
+                batch.started = time.monotonic()
+                run = batch.run
+            fn = self._run_save if batch.kind == "save" else self._run_load
+            try:
+                future.set_result(fn(run[0] if len(run) == 1 else _Merged(run), batch.event, batch.deadline))
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
+                future.set_exception(exc)
+
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
         with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
             _wait_event(event)
@@ -197,6 +281,8 @@ class TransferManager:
             try:
                 batch.future.result(timeout=max(remaining, 0.0))
             except CancelledError:
+                if not batch.run:
+                    continue  # fenced: every request in it was reset, and its pages are no longer theirs
                 raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {rid} was cancelled "
                                        "before it ran") from None
             except TimeoutError:
@@ -205,7 +291,7 @@ class TransferManager:
                                        f"passed its {self.settings.deadline_s:.1f}s deadline") from None
             except LoadFailure as exc:
                 raise self._load_failure(rid, exc) from None
-            self.stats.add_many(loads_sync=len(batch.ops), bytes_loaded=batch.nbytes)
+            self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=batch.nbytes)
 
     @property
     def has_sync_loads(self) -> bool:
@@ -227,7 +313,10 @@ class TransferManager:
             finishing.setdefault(rid, now)
         for rid in started_loading_req_ids:
             loading.setdefault(rid, now)
-        if self._inflight:
+        inflight = self._inflight
+        if inflight:
+            if now - inflight[0].accepted > self.settings.deadline_s:
+                self._check_deadlines(now)  # saves it cancels are settled at once, below
             self._settle_done()
         done_loading = [rid for rid in loading if self._loads_done(rid, now)] if loading else []
         for rid in done_loading:
@@ -241,9 +330,6 @@ class TransferManager:
                 if not self._pending_loads.get(rid, 1):  # loads it never waited for (it was not polled)
                     del self._pending_loads[rid]
                     self._load_failed.pop(rid, None)
-        inflight = self._inflight
-        if inflight and now - inflight[0].accepted > self.settings.deadline_s:
-            self._check_deadlines(now)
         return done_saving, done_loading
 
     def _settle_done(self) -> None:
@@ -259,7 +345,8 @@ class TransferManager:
             cancelled = future.cancelled()
             exc = None if cancelled else future.exception()
             kind = batch.kind
-            if cancelled and kind != "save":  # its pages never got their KV
+            if cancelled and kind != "save" and batch.run:  # its pages never got their KV (a fenced
+                # request's pages are no longer its own: nothing was owed to them)
                 exc = CancelledError(f"load batch of {len(batch.ops)} request(s) cancelled before it ran")
             for op in batch.ops:
                 rid = op.request_id
@@ -270,12 +357,15 @@ class TransferManager:
                     del pending[rid]
                 if kind == "load":
                     loads[rid] -= 1
-                    if exc is not None:
-                        failed.setdefault(rid, exc)
             if kind == "save":
+                self._save_bytes -= batch.nbytes
                 self._account_save(batch, cancelled, exc)
-            elif kind == "load" and not cancelled and exc is None:
-                self.stats.add_many(loads_async=len(batch.ops), bytes_loaded=batch.nbytes)
+            elif kind == "load":
+                if exc is not None:
+                    for op in batch.run:  # a fenced request's failure concerns pages it no longer holds
+                        failed.setdefault(op.request_id, exc)
+                elif not cancelled:
+                    self.stats.add_many(loads_async=len(batch.run), bytes_loaded=batch.nbytes)
         self._inflight = still
 
     def _loads_done(self, rid: int, now: float) -> bool:
@@ -292,17 +382,34 @@ class TransferManager:
         return True
 
     def _check_deadlines(self, now: float) -> None:
-        """A batch past the deadline fails the first request waited on (finishing or loading)
-        that rides in it; batches are in acceptance order, so the scan stops at the first in time."""
+        """Batches past the deadline; they are in acceptance order, so the scan stops at the first in time.
+
+        A save that has not started by then is dropped: saves are best-effort, and a queued one only
+        holds its finished request's pages (TensorRT-LLM frees them once the request is reported).
+        A load, or a save still writing a deadline after it started, fails the first request waited
+        on (finishing or loading) that rides in it.  A running save is not dropped: its request's
+        pages can be freed only once nothing reads them, TensorRT-LLM's own transfer timeout would
+        fail the process later anyway, and this failure names the file."""
         limit = self.settings.deadline_s
         for batch in self._inflight:
             if now - batch.accepted <= limit:
                 return
-            for op in batch.ops:
+            future = batch.future
+            if future.done():
+                continue
+            if batch.kind == "save":
+                if future.cancel():
+                    self.stats.add("save_blocks_dropped_deadline", sum(len(op.keys) for op in batch.run))
+                    continue
+                since = batch.started  # running; 0 while the thread that took it is still starting it
+                if not since or now - since <= limit:
+                    continue
+            else:
+                since = batch.accepted
+            for op in batch.run:
                 rid = op.request_id
                 if rid in self._finishing or rid in self._loading:
-                    self._check_deadline(rid, "load" if batch.kind != "save" else "save", batch.accepted, now,
-                                         op.keys[0])
+                    self._check_deadline(rid, "load" if batch.kind != "save" else "save", since, now, op.keys[0])
 
     def _account_save(self, batch: _Batch, cancelled: bool, exc: BaseException | None) -> None:
         """Count a completed save batch's outcome (its future's, read once by the caller)."""
@@ -345,6 +452,54 @@ class TransferManager:
         return ConnectorFailure(f"gds-kv-connector: load for request {rid} failed: {exc!r}")
 
     # -- cancellation and shutdown ----------------------------------------------------------------
+    def fence(self, request_ids: Collection[int]) -> None:
+        """Stop every transfer of these requests from touching their pages, before this returns.
+
+        V2's ``request_reset``: the requests' pages were released, and the next forward may write
+        another request's KV into them.  Their transfers not started yet are skipped (their ops are
+        taken out of shared batches, whose other requests' ops still run); those already moving
+        bytes are waited for, up to the control grace.  One still running after that raises
+        ConnectorFailure, fatal to the process: a save reading pages that another request
+        overwrites would publish that request's KV under these requests' keys, and a load would write
+        into another request's KV, silently wrong answers either way, which is worse than a crash.
+        Their counts stay as they are and drain as the batches settle, so a request is still
+        reported once, whether or not TensorRT-LLM goes on to pass it again."""
+        rids = set(request_ids)
+        pending = self._pending
+        if not any(rid in pending for rid in rids):
+            return
+        running: list[_Batch] = []
+        skipped = 0
+        with self._start_lock:  # no batch starts while it is filtered
+            for batch in self._inflight:
+                run = batch.run
+                if batch.future.done() or not any(op.request_id in rids for op in run):
+                    continue
+                if batch.future.running():
+                    running.append(batch)
+                    continue
+                keep = [op for op in run if op.request_id not in rids]
+                skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)
+                batch.run = keep
+                if not keep:
+                    batch.future.cancel()
+        self.stats.add_many(fenced_blocks_skipped=skipped, fenced_batches_waited=len(running))
+        end = time.monotonic() + self.settings.control_grace_s
+        for batch in running:
+            try:
+                batch.future.exception(timeout=max(end - time.monotonic(), 0.0))
+            except TimeoutError:
+                reset = ", ".join(str(rid) for rid in sorted(rids & {op.request_id for op in batch.run}))
+                raise ConnectorFailure(
+                    f"gds-kv-connector: request {reset} was reset "
+                    f"while its {batch.kind} of {batch.nbytes} bytes (first file "
+                    f"{self.pool.path_for(batch.run[0].keys[0])}) was still running after the "
+                    f"{self.settings.control_grace_s:.1f}s control grace: its pages may now be another "
+                    "request's, and that transfer would move the wrong KV") from None
+        self._settle_done()
+        for rid in rids:  # a failed load of theirs concerns pages they no longer hold
+            self._load_failed.pop(rid, None)
+
     def cancel_queued(self, rid: int) -> int:
         """Drop transfers of a request that have not started; in-flight ones, and batches it shares
         with other requests (cancelling one would drop theirs), run to completion."""
@@ -387,33 +542,26 @@ def _wait_event(event: Any) -> None:
         event.synchronize()
 
 
-def _fan_out(pool: ThreadPoolExecutor, runners: int, work: collections.deque,
-             fn: Callable[[Any, Any, float], Any], event: Any, deadline: float) -> None:
+def _fan_out(pool: ThreadPoolExecutor, runners: int, run: Callable[[], None]) -> None:
     """The first runner of a submission: it starts the others, so the executor thread pays one
     thread-pool hand-off per submission, not one per runner (each wakes a thread: 3-40 us on the
     executor thread in a 64-request admission)."""
     for _ in range(runners - 1):
         try:
-            pool.submit(_run_queued, work, fn, event, deadline)
+            pool.submit(run)
         except RuntimeError:  # the pool is shutting down: this runner takes what is left
             break
-    _run_queued(work, fn, event, deadline)
+    run()
 
 
-def _run_queued(work: collections.deque, fn: Callable[[Any, Any, float], Any], event: Any, deadline: float) -> None:
-    """A runner: take (ops, future) pairs until none is left; a cancelled future is skipped.  Several
-    requests' ops are merged here, on the transfer thread, not by the executor thread."""
-    while True:
+def _take(queues: tuple[collections.deque[_Batch], ...]) -> _Batch | None:
+    """The next batch of the first queue that has one; None when all are empty."""
+    for waiting in queues:
         try:
-            group, future = work.popleft()
+            return waiting.popleft()
         except IndexError:
-            return
-        if not future.set_running_or_notify_cancel():
             continue
-        try:
-            future.set_result(fn(group[0] if len(group) == 1 else _Merged(group), event, deadline))
-        except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
-            future.set_exception(exc)
+    return None
 
 
 class _Merged:

@@ -84,7 +84,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved, record_event=self._record_event)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
-                                          self.stats, self.pool))
+                                          self.transfers.fence, self.stats, self.pool))
         arena = self.pool.arena
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s), %s", kv.num_blocks,
                  kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe(),
@@ -92,6 +92,13 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                  f"slot arena of {self.settings.arena_bytes} bytes, {slab_kind(arena.mapped)}")
 
     # -- per iteration ----------------------------------------------------------------------------
+    def bind_connector_meta(self, metadata: object) -> None:
+        """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``): this
+        runs before ``start_load_kv`` and the forward that may give their pages to another request."""
+        super().bind_connector_meta(metadata)
+        if isinstance(metadata, GdsKvMetadata) and metadata.resets and self.transfers is not None:
+            self.transfers.fence(metadata.resets)
+
     @traced("worker/start_load_kv", "yellow")
     def start_load_kv(self, stream: Any) -> None:
         meta = self._metadata

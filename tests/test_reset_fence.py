@@ -1,0 +1,255 @@
+"""V2 ``request_reset`` with the request's transfers in flight: a fence before its pages are reused.
+
+A reset request's pages were released and the next forward may write another request's KV into
+them.  A save of it that ran later would publish that KV under this request's keys (silent
+corruption of every later hit), a load would write into another request's pages.  So before that
+forward every worker skips the request's transfers not yet started (its ops taken out of batches
+shared with other requests, whose ops still run) and waits for those running; one still running
+after the control grace fails the process.  The process's only worker is fenced by
+``request_reset`` itself; under plain TP the id rides in the next metadata and each worker fences
+when it binds it.  Transfers are held with gates the tests open (``gated_ops``), never slept for.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.register_assert_rewrite("fault_helpers", "gated_ops")
+import fault_helpers as fh  # noqa: E402
+from gated_ops import WAIT_S, GatedOps, GatedRig  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
+from gds_kv_connector.block_io import save_blocks  # noqa: E402
+from gds_kv_connector.metadata import LoadOp  # noqa: E402
+from gds_kv_connector.reference import SimRequest, fake_llm_args  # noqa: E402
+from gds_kv_connector.transfers import ConnectorFailure  # noqa: E402
+from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput  # noqa: E402
+
+pytest_plugins = ["fault_helpers"]
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**env):
+        r = GatedRig(str(tmp_path / f"pool{len(made)}"), **env)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.close()
+
+
+def _blocked(r, rid: int = 1, first_block: int = 0):
+    """A save of request ``rid`` running and held in the storage: every batch behind it is queued."""
+    op = r.save_op(rid, "blocker", 1, first_block)
+    gate = r.ops.hold(op.keys[0])
+    r.tm.submit_saves([op], None)
+    assert gate.started.wait(WAIT_S)
+    return op, gate
+
+
+def test_queued_saves_of_a_reset_request_are_skipped_and_batch_mates_still_saved(rig):
+    r = rig()
+    a, gate = _blocked(r)
+    b = r.save_op(2, "reset", 2, first_block=1)
+    c = r.save_op(3, "mate", 1, first_block=3)
+    r.tm.submit_saves([b, c], None)  # one batch shared by requests 2 and 3
+    d = r.save_op(2, "reset-alone", 1, first_block=4)
+    r.tm.submit_saves([d], None)  # a batch of request 2 alone
+    assert len(r.tm._inflight) == 3
+    r.tm.fence([2])  # nothing of request 2 is moving: returns at once
+    for page in (*b.block_ids, *d.block_ids):  # the pages now belong to another request
+        r.kv.block_view(page).numpy()[:] = 0x5A
+    stats = r.stats.snapshot()
+    assert stats["fenced_blocks_skipped"] == 3 and stats.get("fenced_batches_waited", 0) == 0
+    gate.release()
+    r.poll(finished=[1, 3])
+    r.poll_until(want_saved=[1, 3])
+    assert r.pool.contains(a.keys[0]) and r.pool.contains(c.keys[0])
+    assert not any(r.pool.contains(k) or r.ops.did_move(k) for k in (*b.keys, *d.keys))
+    assert (r.tm._inflight, r.tm._pending) == ([], {})  # request 2's counts drained with the batches
+    fh.verify_file(r.pool.path_for(c.keys[0]))
+
+
+def test_a_running_save_of_a_reset_request_is_waited_for(rig):
+    r = rig()
+    a, gate = _blocked(r)
+    threading.Timer(0.05, gate.release).start()
+    r.tm.fence([1])
+    assert r.pool.contains(a.keys[0])  # the fence returned only once the save had finished
+    assert r.stats.snapshot()["fenced_batches_waited"] == 1
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1])
+
+
+def test_a_save_still_running_after_the_control_grace_fails_the_reset(rig):
+    """Worse than a crash: the save would read pages the next forward fills with another request's KV."""
+    r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.1")
+    _, gate = _blocked(r, rid=7)
+    with pytest.raises(ConnectorFailure, match="request 7 was reset while its save .* still running after the 0.1s"):
+        r.tm.fence([7])
+    gate.release()
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_a_queued_load_of_a_reset_request_never_writes_its_old_pages(rig, is_async):
+    """Those pages may be another request's by now.  The skipped load is no failure (it owed those
+    pages nothing), and a parked request already passed to get_finished is still reported once."""
+    r = rig()
+    stored = [fh.key_of("reset-load", i) for i in range(2)]
+    views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
+    assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
+    _, gate = _blocked(r)
+    r.tm.submit_loads([LoadOp(5, tuple(stored), (10, 11), is_async)], None)
+    if is_async:
+        r.poll(loading=[5])
+    r.tm.fence([5])
+    gate.release()
+    if is_async:
+        r.poll_until(want_loaded=[5])
+    else:
+        r.tm.wait_sync_loads()
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1])
+    assert not any(r.kv.block_view(b).numpy().any() for b in (10, 11))
+    assert r.stats.snapshot().get("load_failures", 0) == 0
+
+
+def test_a_running_load_of_a_reset_request_is_waited_for(rig):
+    r = rig()
+    stored = [fh.key_of("reset-running-load", 0)]
+    assert save_blocks(r.pool, r.engine, stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
+    gate = r.ops.hold(stored[0])
+    r.tm.submit_loads([LoadOp(6, tuple(stored), (10,), True)], None)
+    r.poll(loading=[6])
+    assert gate.started.wait(WAIT_S)
+    threading.Timer(0.05, gate.release).start()
+    r.tm.fence([6])
+    assert r.kv.block_view(10).numpy().tobytes() == fh.expected_payload(stored[0])  # done before the fence returned
+    r.poll_until(want_loaded=[6])
+
+
+@fh.timeout(120)
+def test_no_op_of_a_fenced_request_starts_after_the_fence_returns(rig):
+    """The fence and the transfer threads race for each batch (a thread starting it, the fence
+    filtering it): whatever the interleaving, a fenced op is either finished when the fence returns
+    or never moves."""
+    r = rig(TLLM_GDS_KV_TRANSFER_THREADS="2")
+    rng = random.Random(5)
+    fenced_after: list[tuple[list[bytes], int]] = []
+    for i in range(150):
+        x = r.save_op(2 * i, f"race-{i}", rng.randint(1, 3), first_block=0)
+        y = r.save_op(2 * i + 1, f"race-{i}", rng.randint(1, 3), first_block=4)
+        r.tm.submit_saves([x, y] if rng.random() < 0.5 else [y, x], None)
+        time.sleep(rng.choice([0, 0, 0, 1e-4, 3e-4, 1e-3, 3e-3]))  # fence before, while or after they start
+        r.tm.fence([x.request_id])
+        with r.ops._lock:
+            mark = len(r.ops.moved)
+        for k in x.keys:  # begun before the fence returned: then finished before it returned
+            assert not r.ops.did_move(k) or r.pool.contains(k), f"round {i}: a fenced save was still running"
+        fenced_after.append((list(x.keys), mark))
+        if i % 10 == 9:
+            r.poll(finished=range(2 * i - 18, 2 * i + 2))
+    r.poll_until(want_saved=range(300))
+    for keys, mark in fenced_after:
+        assert not any(k.hex() in name for name in r.ops.moved[mark:] for k in keys)
+    assert (r.tm._inflight, r.tm._pending) == ([], {})
+    stats = r.stats.snapshot()  # both sides of the race were taken
+    assert stats["fenced_blocks_skipped"] > 0 and stats["fenced_batches_waited"] > 0
+
+
+# -- through the scheduler ----------------------------------------------------------------------
+TPB = 4
+
+
+@pytest.fixture
+def gated_pair(pool_env, monkeypatch):
+    """``make(**llm_kw) -> (scheduler, worker, ops)`` over a host KV cache, one transfer thread."""
+    monkeypatch.setenv("TLLM_GDS_KV_TRANSFER_THREADS", "1")
+    made = []
+
+    def make(**llm_kw):
+        la = fake_llm_args(TPB, model="reset-fence", **llm_kw)
+        ops = GatedOps()
+        worker = GdsKvConnectorWorker(la, fileops=ops)
+        made.append((worker, ops))
+        worker.register_kv_caches(torch.zeros((16, 1, 2, 128), dtype=torch.bfloat16))
+        sched = GdsKvConnectorScheduler(la)
+        sched.wait_for_initialization()
+        return sched, worker, ops
+    yield make
+    for worker, ops in made:
+        ops.release_all()
+        worker.shutdown()
+
+
+def _iteration(sched, worker, new=(), gate_first_save=None):
+    meta = sched.build_connector_meta(SchedulerOutput(new_requests=list(new)))
+    meta = pickle.loads(pickle.dumps(meta))  # as the TP broadcast hands it over
+    worker.bind_connector_meta(meta)
+    worker.start_load_kv(None)
+    gate = None
+    if gate_first_save is not None:
+        gate = gate_first_save.hold(meta.saves[0].keys[0])
+    worker.wait_for_save(None)
+    if gate is not None:
+        assert gate.started.wait(WAIT_S)
+    return meta, gate
+
+
+def _prefill(sched, worker, rid, pages, gate_ops=None):
+    prompt = [rid * 100 + t for t in range(4 * len(pages))]
+    req = SimRequest(rid, prompt, tokens=list(prompt))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, list(pages))
+    meta, gate = _iteration(sched, worker, [RequestData(rid, list(prompt), list(pages), 0, len(prompt))], gate_ops)
+    return req, meta.saves[0].keys, gate
+
+
+def _reused_by_another_request(worker, pages):
+    for page in pages:
+        worker.kv.block_view(page).view(torch.uint8).fill_(0x5A)
+
+
+def _drain(worker, gate, blocker_key):
+    gate.release()
+    for _ in range(2000):
+        worker.get_finished([], [])
+        if worker.pool.contains(blocker_key) and not worker.transfers._inflight:
+            return
+        time.sleep(0.002)
+    raise AssertionError("the transfers never drained")
+
+
+def test_request_reset_fences_the_only_worker_before_it_returns(gated_pair):
+    sched, worker, ops = gated_pair()  # attention DP: the scheduler's own worker is the only one
+    _, blocker_keys, gate = _prefill(sched, worker, 1, [0, 1], gate_ops=ops)
+    req, keys, _ = _prefill(sched, worker, 2, [4, 5])  # its save is queued behind request 1's
+    sched.request_reset(req)
+    _reused_by_another_request(worker, [4, 5])  # the next forward writes another request's KV there
+    _drain(worker, gate, blocker_keys[0])
+    assert not any(worker.pool.contains(k) or ops.did_move(k) for k in keys)
+    assert worker.stats.snapshot()["fenced_blocks_skipped"] == 2
+    assert sched.build_connector_meta(SchedulerOutput()) is None  # nothing left for any other worker
+
+
+def test_under_plain_tp_the_next_metadata_fences_every_worker_when_bound(gated_pair):
+    sched, worker, ops = gated_pair(attention_dp=False, tp_size=2)
+    _, blocker_keys, gate = _prefill(sched, worker, 1, [0, 1], gate_ops=ops)
+    req, keys, _ = _prefill(sched, worker, 2, [4, 5])
+    sched.request_reset(req)
+    assert worker.stats.snapshot().get("fenced_blocks_skipped", 0) == 0  # other ranks learn of it with the metadata
+    meta, _ = _iteration(sched, worker)  # bound before start_load_kv and the forward
+    assert meta.resets == [2] and not meta.loads and not meta.saves
+    assert worker.stats.snapshot()["fenced_blocks_skipped"] == 2
+    _reused_by_another_request(worker, [4, 5])
+    _drain(worker, gate, blocker_keys[0])
+    assert not any(worker.pool.contains(k) or ops.did_move(k) for k in keys)
+    assert sched.build_connector_meta(SchedulerOutput()) is None  # sent once

@@ -1,0 +1,204 @@
+"""Storage slower than the KV the forward produces: saves are best-effort, so their slowness, like
+their errors, costs saves and never the process.
+
+A save batch that no transfer thread has started by its deadline is dropped (counted) and its
+request reported as usual; saves beyond ``max_queued_save_bytes`` are dropped before they are
+queued; loads are taken before queued saves.  Only a save whose bytes are still moving a deadline
+after it *started* fails the process while its request waits (its pages cannot be freed under it).
+The manager's clock is shifted by the tests (``clock``) instead of sleeping through deadlines, and
+running or queued transfers are held with gates the tests open (``gated_ops``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.register_assert_rewrite("fault_helpers", "gated_ops")
+import fault_helpers as fh  # noqa: E402
+from gated_ops import WAIT_S, GatedRig  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker, transfers  # noqa: E402
+from gds_kv_connector.block_io import save_blocks  # noqa: E402
+from gds_kv_connector.fileops import FileOps  # noqa: E402
+from gds_kv_connector.metadata import LoadOp  # noqa: E402
+from gds_kv_connector.reference import (ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, State,  # noqa: E402
+                                        fake_llm_args)
+from gds_kv_connector.transfers import ConnectorFailure  # noqa: E402
+
+pytest_plugins = ["fault_helpers"]
+DEADLINE = 1.0
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**env):
+        r = GatedRig(str(tmp_path / f"pool{len(made)}"), **env)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Shift the transfer manager's clock forward (``clock(seconds)``) without sleeping."""
+    shift = [0.0]
+
+    class Shifted:
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + shift[0]
+
+    monkeypatch.setattr(transfers, "time", Shifted)
+
+    def advance(seconds: float) -> None:
+        shift[0] += seconds
+    return advance
+
+
+def _settled(r, batch_index: int = 0) -> None:
+    r.tm._inflight[batch_index].future.exception(timeout=WAIT_S)
+
+
+def test_a_save_that_never_started_is_dropped_at_its_deadline_and_its_request_reported(rig, clock):
+    r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
+    a = r.save_op(1, "late", 1, first_block=0)
+    gate = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a], None)
+    assert gate.started.wait(WAIT_S)
+    b = r.save_op(2, "late", 2, first_block=1)
+    r.tm.submit_saves([b], None)  # queued behind a, which is stuck in the storage
+    assert r.poll(finished=[2]) == ([], [])
+    clock(DEADLINE * 0.9)
+    assert r.poll() == ([], [])
+    clock(DEADLINE * 0.2)
+    assert r.poll() == ([2], [])  # dropped, and its pages freed: never a ConnectorFailure
+    stats = r.stats.snapshot()
+    assert stats["save_blocks_dropped_deadline"] == 2 and stats["save_batches_cancelled"] == 1
+    gate.release()
+    _settled(r)
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1, 2])
+    assert r.pool.contains(a.keys[0])
+    assert not any(r.pool.contains(k) or r.ops.did_move(k) for k in b.keys)
+    assert (r.tm._inflight, r.tm._pending, r.tm._save_bytes) == ([], {}, 0)
+
+
+def test_a_running_save_fails_the_process_only_a_deadline_after_it_started(rig, clock):
+    """Its request's pages cannot be freed while the write reads them, so a write stuck that long
+    is fatal; the time it spent queued does not count against it."""
+    r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
+    a = r.save_op(1, "stuck", 1, first_block=0)
+    gate_a = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a], None)
+    assert gate_a.started.wait(WAIT_S)
+    b = r.save_op(2, "stuck", 1, first_block=1)
+    gate_b = r.ops.hold(b.keys[0])
+    r.tm.submit_saves([b], None)
+    r.poll(finished=[2])
+    clock(DEADLINE * 0.8)
+    gate_a.release()  # b starts 0.8 deadlines after it was accepted, and sticks
+    assert gate_b.started.wait(WAIT_S)
+    clock(DEADLINE * 0.7)  # 1.5 deadlines since b was accepted, 0.7 since it started
+    assert r.poll() == ([], [])
+    clock(DEADLINE * 0.4)
+    with pytest.raises(ConnectorFailure, match=r"save of request 2 exceeded its 1\.0s deadline \(started 1\.1s ago"):
+        r.poll()
+    gate_b.release()
+
+
+def test_saves_beyond_the_backlog_bound_are_dropped_and_each_request_is_reported_once(rig):
+    payload = fh.PAYLOAD_LEN
+    r = rig(TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES=str(3 * payload))
+    a = r.save_op(1, "backlog", 2, first_block=0)
+    gate = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a], None)
+    assert gate.started.wait(WAIT_S)
+    b = r.save_op(2, "backlog", 2, first_block=2)
+    c = r.save_op(3, "backlog", 1, first_block=4)
+    r.tm.submit_saves([b, c], None)  # room for one block: b's first (a block needs its prefix), not c
+    assert r.stats.snapshot()["save_blocks_dropped_backlog"] == 2
+    assert r.poll(finished=[3]) == ([3], [])  # nothing of it was queued: finished at once
+    r.poll(finished=[2])
+    gate.release()
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1, 2, 3])
+    assert [r.pool.contains(k) for k in (*a.keys, *b.keys, *c.keys)] == [True, True, True, False, False]
+    assert r.tm._save_bytes == 0
+    d = r.save_op(4, "backlog", 3, first_block=5)  # the backlog drained: a full bound fits again
+    r.tm.submit_saves([d], None)
+    r.poll(finished=[4])
+    r.poll_until(want_saved=[4])
+    assert all(r.pool.contains(k) for k in d.keys)
+    assert r.stats.snapshot()["save_blocks_dropped_backlog"] == 2
+
+
+def test_loads_overtake_queued_saves(rig):
+    """A synchronous load holds the forward and an asynchronous one a parked request; a queued save
+    holds nothing until its request finishes, so loads submitted behind saves run first."""
+    r = rig(TLLM_GDS_KV_DEADLINE_S="3")
+    stored = [fh.key_of("overtake", i) for i in range(4)]
+    views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
+    assert save_blocks(r.pool, r.engine, stored, [b""] * 4, views).published == 4
+    a = r.save_op(1, "queued", 1, first_block=0)
+    gate_a = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a], None)
+    assert gate_a.started.wait(WAIT_S)
+    b = r.save_op(2, "queued", 2, first_block=1)
+    gate_b = r.ops.hold(b.keys[0])
+    r.tm.submit_saves([b], None)
+    r.tm.submit_loads([LoadOp(11, tuple(stored[2:]), (12, 13), True)], None)
+    r.tm.submit_loads([LoadOp(10, tuple(stored[:2]), (10, 11), False)], None)
+    gate_a.release()
+    r.tm.wait_sync_loads()  # behind b, this would wait for b's held write until the deadline
+    r.poll(loading=[11])
+    r.poll_until(want_loaded=[11])
+    for i, k in enumerate(stored):
+        assert r.kv.block_view(10 + i).numpy().tobytes() == fh.expected_payload(k)
+    gate_b.release()
+    r.poll(finished=[1, 2])
+    r.poll_until(want_saved=[1, 2])
+    moved = r.ops.moved
+
+    def at(key: bytes) -> int:  # when the key's file last began to move (a stored key's: its load)
+        return max(n for n, name in enumerate(moved) if key.hex() in name)
+    sync, later = [at(k) for k in stored[:2]], [at(k) for k in stored[2:]]
+    assert at(a.keys[0]) < min(sync) and max(sync) < min(later) and max(later) < at(b.keys[0])
+
+
+class _SlowWrites(FileOps):
+    """Every write takes 2 ms: far under the deadline, but slower than the executor makes KV."""
+
+    def pwrite(self, fd, data, offset):
+        time.sleep(0.002)
+        return super().pwrite(fd, data, offset)
+
+
+@fh.timeout(120)
+def test_storage_slower_than_the_forward_costs_saves_not_the_process(pool_env, monkeypatch):
+    """The reviewer's reproducer, smaller: 30 requests of 10 prompt blocks with one transfer thread
+    and a 0.25 s deadline.  Saves queued past the deadline used to fail the executor when their
+    request finished."""
+    for name, value in (("DEADLINE_S", "0.25"), ("TRANSFER_THREADS", "1"), ("IO_THREADS", "1"), ("ENGINE", "posix")):
+        monkeypatch.setenv(f"TLLM_GDS_KV_{name}", value)
+    tpb = 4
+    la = fake_llm_args(tpb, model="slow-storage")
+    ex = ReferenceExecutor(GdsKvConnectorScheduler(la), GdsKvConnectorWorker(la, fileops=_SlowWrites()),
+                           ExecutorConfig(shape=ModelShape(num_layers=1, kv_factor=2, block_elems=128,
+                                                           tokens_per_block=tpb),
+                                          num_blocks=1024, max_batch=4))
+    try:
+        for rid in range(30):
+            ex.submit(SimRequest(rid, [(rid * 7919 + t * 31) % 30000 for t in range(41)], max_new_tokens=4))
+        ex.run_until_done()  # the executor checks every report: none twice, none missing
+        assert all(req.state is State.DONE for req in ex.reqs.values())
+        snap = ex.worker.stats.snapshot()
+        assert snap.get("save_blocks_dropped_deadline", 0) + snap.get("save_blocks_dropped_backlog", 0) > 0
+    finally:
+        ex.worker.shutdown()
