@@ -66,6 +66,14 @@ SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
 SLAB_TMP_SUFFIX = ".tmp"  # a slab being created: "." + its name + this, renamed once locked and sized
 FRESH_S = 60.0  # a slab file changed this recently may be one whose creator has not locked it yet
+SWEEP_S = 5.0  # how often the other owners' slabs this process holds are checked for removal by gc
+# Slabs checked per sweep, in turn: two stats each, on a transfer thread, and a reader may hold
+# thousands of slabs on a shared filesystem where a stat is a round trip.
+SWEEP_SLABS = 64
+# How long a removed slab stays mapped (or open) after this process saw it go: a load that took its
+# addresses or descriptor just before copies for one batch, bounded by TLLM_GDS_KV_DEADLINE_S (60 s
+# by default), and unmapping under a copy crashes the process.
+RELEASE_GRACE_S = 120.0
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
@@ -127,6 +135,11 @@ class SlotArena:
         pool._makedirs(self.dir)
         self._lock = threading.Lock()
         self._slabs: dict[str, Slab] = {}
+        # other owners' slabs gc removed, dropped from _slabs and closed once the time given passes
+        self._retired: list[tuple[float, Slab]] = []
+        self._sweep_at = 0.0
+        self._sweeping = False
+        self._sweep_next = 0  # where in the other owners' slabs the next sweep starts
         # Runs of free slots, (ready at, slab, first slot, count): a batch of 256 slots is taken in one
         # or two steps instead of 256 deque pops on a transfer thread holding the GIL.
         self._free: collections.deque[tuple[float, str, int, int]] = collections.deque()
@@ -193,9 +206,10 @@ class SlotArena:
         if self._builder is not None:
             self._builder.join()
         with self._lock:
-            for slab in self._slabs.values():
+            for slab in [*self._slabs.values(), *(slab for _, slab in self._retired)]:
                 self._unmap(slab)
             self._slabs.clear()
+            self._retired.clear()
             self._free.clear()
             self._used.clear()
             self._where.clear()
@@ -206,7 +220,7 @@ class SlotArena:
         """A new slab, locked and sized under a hidden temporary name before it gets its own: a slab
         under its name with a free lock looks like a dead owner's, and another process would adopt
         it (the creator's flock then failed, and its clean-up unlinked the slab just adopted)."""
-        # host (cut to 32) + pid (<= 7 digits) + 12 hex digits + suffix stays within the 64-byte name field
+        # host tag (<= 33) + pid (<= 7 digits) + 12 hex digits + suffix stays within the 64-byte name field
         name = check_slab_name(f"{_slab_host()}-{os.getpid()}-{secrets.token_hex(6)}{SLAB_SUFFIX}")
         path, tmp = os.path.join(self.dir, name), os.path.join(self.dir, slab_tmp_name(name))
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, self.pool.file_mode)
@@ -294,9 +308,19 @@ class SlotArena:
                     os.dup2(fd, slab.fd, inheritable=False)
                     os.close(fd)
                 slab.owned = True
-            except (OSError, ArenaError, FormatError) as exc:
-                log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
+            except BaseException as exc:
+                # Any failure, a registration error (cupy raises RuntimeError) included: the
+                # descriptor holds the dead owner's lock, and leaking it would keep every adopter
+                # and gc away from the slab for this process's life.  One slab that cannot be
+                # adopted costs only its slots, not the rest of the build.
                 os.close(fd)
+                if not isinstance(exc, Exception):
+                    raise
+                if not isinstance(exc, (OSError, ArenaError, FormatError)):
+                    self.stats["adopt_errors"] += 1
+                    log.warning("gds-kv arena: not adopting slab %s: %r", name, exc)
+                else:
+                    log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
                 return
         used, free = [], []
         for slot in range(nslots):
@@ -381,6 +405,38 @@ class SlotArena:
             self.stats["slabs_mapped"] += 1
             return slab
 
+    def _sweep(self) -> None:
+        """Let go of other owners' slabs that gc removed.  A cached mapping or descriptor keeps a
+        removed slab's host memory or disk space allocated for as long as it is held, and owners
+        come and go for the life of a reader.  A slab no name leads to any more leaves the cache at
+        once (a later lookup fails cleanly, as for any missing slab) and is closed RELEASE_GRACE_S
+        later, since a load may be copying through the address or descriptor it took just before.
+        Runs at most every SWEEP_S, from calls the arena sees anyway, never per block, and checks
+        up to SWEEP_SLABS slabs each time."""
+        with self._lock:
+            now = self.clock()
+            if self._sweeping or now < self._sweep_at:
+                return
+            self._sweeping, self._sweep_at = True, now + SWEEP_S
+            foreign = [slab for slab in self._slabs.values() if not slab.owned]
+            start = self._sweep_next % len(foreign) if foreign else 0
+            foreign = (foreign[start:] + foreign[:start])[:SWEEP_SLABS]
+            self._sweep_next = start + len(foreign)
+            due = [slab for at, slab in self._retired if at <= now]
+            self._retired = [(at, slab) for at, slab in self._retired if at > now]
+        try:
+            gone = [slab for slab in foreign if not still_named(os.path.join(self.dir, slab.name), slab.fd)]
+            with self._lock:
+                for slab in gone:
+                    if self._slabs.get(slab.name) is slab and not slab.owned:  # not adopted meanwhile
+                        del self._slabs[slab.name]
+                        self._retired.append((now + RELEASE_GRACE_S, slab))
+            for slab in due:
+                self._unmap(slab)
+                self.stats["slabs_released"] += 1
+        finally:
+            self._sweeping = False
+
     def _slot_count(self, fd: int, name: str) -> int:
         """Slots in an existing slab; a size that is not a whole number of slots is a bad slab."""
         size = os.fstat(fd).st_size
@@ -401,6 +457,8 @@ class SlotArena:
     # -- writing (owner) --------------------------------------------------------------------------
     def alloc(self, n: int) -> list[tuple[str, int]]:
         """Up to ``n`` free slots, (slab, slot); fewer when the arena is full or still building."""
+        if self.clock() >= self._sweep_at:
+            self._sweep()
         out: list[tuple[str, int]] = []
         with self._lock:
             self._take_ready(n, out)
@@ -425,6 +483,8 @@ class SlotArena:
 
     def slab_fd(self, name: str) -> tuple[int, int]:
         """(descriptor, slot count) of any slab in this pool, opened on first use (file mode)."""
+        if self.clock() >= self._sweep_at:
+            self._sweep()
         slab = self._slab(name)
         return slab.fd, slab.nslots
 
@@ -570,6 +630,8 @@ class SlotArena:
         index of the failing one or -1, its error: FormatError when the slot was reused or is
         damaged, OSError when its slab cannot be mapped).  Each header must be a valid block
         header naming the reference's key and creation time (native.check_headers)."""
+        if self.clock() >= self._sweep_at:
+            self._sweep()
         addrs: list[int] = []
         err: Exception | None = None
         sb = self.slot_bytes
@@ -610,12 +672,16 @@ class SlotArena:
                     used[pos] = entry  # re-inserted: now the most recently used
 
     def usage(self) -> dict[str, int]:
+        """Slot and slab counts.  Also the sweep (:meth:`_sweep`) of a process that neither saves nor
+        loads: the worker's stats publisher asks for these every stats interval."""
+        if self.clock() >= self._sweep_at:
+            self._sweep()
         with self._lock:
             now = self.clock()
             ready = sum(count for t, _, _, count in self._free if t <= now)
             free = sum(count for _, _, _, count in self._free)
             return {"owned_slots": self.owned_slots, "used_slots": len(self._used), "free_slots": free,
-                    "ready_slots": ready, "mapped_slabs": len(self._slabs), **self.stats}
+                    "ready_slots": ready, "mapped_slabs": len(self._slabs) + len(self._retired), **self.stats}
 
 
 def maps_slabs(root: str) -> bool:
@@ -650,16 +716,25 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
 
 
 def _slab_host() -> str:
-    from .pool import _HOST
+    """This host's part of its slab names: the host tag (pool.host_tag), which tells apart hosts
+    whose names share a long prefix (StatefulSet pods ``...-worker-0``, ``...-worker-1``)."""
+    from .pool import _HOST, host_tag
 
-    return _HOST[:32]
+    return host_tag(_HOST)
 
 
 def slab_host_is_this(name: str) -> bool:
-    """Whether a slab was created on this host (its name starts with this host's name).  Only such
+    """Whether a slab was created on this host (its name starts with this host's tag).  Only such
     slabs are adopted or removed here: the owner lock is a ``flock``, which some shared filesystems
-    keep per node, so a free lock seen from another node does not prove the owner is gone."""
-    return name.split("-", 1)[0] == _slab_host()
+    keep per node, so a free lock seen from another node does not prove the owner is gone.
+
+    Names made before the tag carried ``_HOST[:32]``.  Such a name is this host's only when it is
+    all of ``_HOST`` (a name cut at 32 may be any host sharing those characters); any other is left
+    alone as another host's."""
+    from .pool import _HOST
+
+    host = name.split("-", 1)[0]
+    return host == _slab_host() or host == _HOST
 
 
 def lock_if_unowned(path: str, now: float) -> int | None:

@@ -60,6 +60,8 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
         todo = pool.not_indexed(keys)
     else:
         todo = [i for i, k in enumerate(keys) if not pool.contains(k)]
+    if len(todo) > 1 and len(set(keys if len(todo) == len(keys) else map(keys.__getitem__, todo))) < len(todo):
+        todo = _first_of_each_key(keys, todo)
     out.already_present = len(keys) - len(todo)
     if not todo:
         return out
@@ -109,6 +111,19 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
         for _i, fd, tmp in opened:
             pool.discard_tmp(fd, tmp)
     return out
+
+
+def _first_of_each_key(keys: list[bytes], todo: list[int]) -> list[int]:
+    """``todo`` without the repeats of a key (two requests of one prompt merged into one batch).
+    Saved twice, a key would get two slots and two entries in one reference file; the name links
+    once, so the second slot is freed at once while readers of the file could still be sent to it."""
+    seen: set[bytes] = set()
+    firsts: list[int] = []
+    for i in todo:
+        if keys[i] not in seen:
+            seen.add(keys[i])
+            firsts.append(i)
+    return firsts
 
 
 def _header(pool: BlockPool, key: bytes, parent: bytes, csum: int, now: int) -> BlockHeader:
@@ -166,7 +181,15 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
         header = _header(pool, keys[i], parents[i], csum, now)
         items.append(TransferItem(fd, arena.payload_offset(slot), views[i], header.pack()))
         written.append((i, (slab, slot)))
-    errors = engine.write(items) if items else []
+    try:
+        errors = engine.write(items) if items else []
+    except BaseException as exc:  # an engine that raises (staging registration, MemoryError): no slot written
+        for _, where in written:
+            arena.release(*where)
+        if not isinstance(exc, Exception):
+            raise
+        out.failed.extend((keys[i], _cause(exc)) for i, _ in written)
+        return
     ok: list[tuple[int, tuple[str, int]]] = []
     for (i, where), err in zip(written, errors):
         if err is None:
@@ -311,6 +334,10 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
             fd, nslots = arena.slab_fd(pin.slot.slab)
         except (OSError, FormatError, ValueError) as exc:
             arena.forget(pin.key)
+            # a slab goes only once no reference names it: one that names a missing slab can never
+            # load again, and left in place it would keep matching (as _repin_stale_slot for mapped slabs)
+            if pin.ino != 0 and isinstance(exc, FileNotFoundError):
+                pool.quarantine(pin.key, f"arena slab {pin.slot.slab} is gone", pin.ino)
             raise LoadFailure(pin.key, pin.path, f"arena slab {pin.slot.slab}: {exc}") from None
         if not 0 <= pin.slot.slot < nslots:
             arena.forget(pin.key)
@@ -370,12 +397,13 @@ def _reread_moved_slot(pool: BlockPool, engine: IoEngine, pin: Pin, view: torch.
 
 def _repin_stale_slot(pool: BlockPool, pin: Pin, err: Exception) -> Pin:
     """A slot pin whose header failed its check (``err``): the location is forgotten; a reference
-    read from the pool is quarantined (when the slot's bytes, not its slab, were wrong) and the
-    load fails; a location this process remembered is resolved afresh from the pool instead."""
+    read from the pool is quarantined (when the slot's bytes were wrong, or its slab is gone: no
+    load through it can succeed again, and a reference left in place keeps matching) and the load
+    fails; a location this process remembered is resolved afresh from the pool instead."""
     assert pool.arena is not None and pin.slot is not None
     pool.arena.forget(pin.key)
     if pin.ino != 0:
-        if isinstance(err, FormatError):
+        if isinstance(err, (FormatError, FileNotFoundError)):
             pool.quarantine(pin.key, f"arena slot: {err}", pin.ino)
         raise LoadFailure(pin.key, pin.path, f"arena slot {pin.slot.slab}#{pin.slot.slot}: {err}")
     try:

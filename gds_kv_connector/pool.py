@@ -10,6 +10,7 @@ evicted or replaced meanwhile still reads as the bytes that were promised.
 from __future__ import annotations
 
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -53,8 +54,26 @@ KEY_LEN = 32
 # From this many blocks a prompt is keyed and stat'ed in one call (match_chain): the length from
 # which chain_keys already hashes on a second thread (CHAIN_PIPELINE_BLOCKS in csrc/native.c).
 CHAIN_PRESENT_MIN_BLOCKS = 512
-_HOST = socket.gethostname().replace("-", "_")[:40] or "host"
+# This host in names split on "-" (owner ids, lock holders, temporary files).  Never cut short:
+# hosts whose names differ only near the end (StatefulSet pods) would share it.
+_HOST = socket.gethostname().replace("-", "_") or "host"
+_TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.")
 _REF_KEY = operator.attrgetter("key")
+
+
+def host_tag(host: str = _HOST) -> str:
+    """A host's name as file names carry it where a process must tell its own host's files from
+    other hosts': ``<readable>_<hash>``, the first 24 characters (each other than a letter, digit or
+    ``.`` written ``_``, so no ``-`` and nothing a name rule rejects) and 8 hex digits of the SHA-256
+    of the whole name, so the length is bounded and hosts that differ only further on (StatefulSet
+    pods ``...-worker-0`` and ``-1``, long FQDNs) still differ."""
+    readable = "".join(c if c in _TAG_CHARS else "_" for c in host[:24]) or "host"
+    if readable[0] == ".":  # a hidden name, which slab names may not be
+        readable = "_" + readable[1:]
+    return f"{readable}_{hashlib.sha256(host.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+
+
+HOST_TAG = host_tag()
 
 
 @dataclass(slots=True)
@@ -375,11 +394,7 @@ class BlockPool:
             try:
                 data = pack_refs(self.fingerprint, self.file_size, slab, chunk)
                 d = self.dir_for(chunk[0].key)
-                self._makedirs(d)
-                tmp = os.path.join(d, f"{TMP_PREFIX}{chunk[0].key.hex()}-{_HOST}-{os.getpid()}-"
-                                      f"{secrets.token_hex(4)}")
-                fd = self.ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                                   self.file_mode)
+                fd, tmp = self._create_tmp_file(d, chunk[0].key)
                 if self.file_mode & 0o077:
                     self.ops.fchmod(fd, self.file_mode)
                 write_all(self.ops, fd, data, 0)
@@ -402,11 +417,12 @@ class BlockPool:
                             self._makedirs(self._key_dirs[b])
                         except (OSError, PoolError) as exc:
                             no_dir[b] = exc
-                results = self.ops.link_keys(tmp, self._key_dirs,
-                                             [k for k in keys if k[0] not in no_dir] if no_dir else keys,
-                                             BLOCK_SUFFIX)
+                linking = [k for k in keys if k[0] not in no_dir] if no_dir else keys
+                results = self.ops.link_keys(tmp, self._key_dirs, linking, BLOCK_SUFFIX)
                 deadline = time.monotonic() + self.index_ttl_s
-                if not no_dir and not any(results):  # all linked: the common case, without a Python loop
+                if any(results):
+                    results = self._relink_into_removed_dirs(tmp, linking, results)
+                elif not no_dir:  # all linked: the common case, without a Python loop
                     self._index.update(dict.fromkeys(keys, deadline))
                     out.extend(itertools.repeat(True, len(keys)))
                     continue
@@ -491,17 +507,7 @@ class BlockPool:
 
         ``header=None`` leaves the header page to the caller, who writes it with the payload
         (``TransferItem.header``) in one I/O."""
-        d = self.dir_for(key)
-        self._makedirs(d)
-        tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        try:
-            fd = self.ops.open(tmp, flags, self.file_mode)
-        except FileNotFoundError:
-            # The directory vanished under us (pool wiped while serving): recreate it once.
-            self._forget_dirs(d)
-            self._makedirs(d)
-            fd = self.ops.open(tmp, flags, self.file_mode)
+        fd, tmp = self._create_tmp_file(self.dir_for(key), key)
         try:
             if self.file_mode & 0o077:
                 self.ops.fchmod(fd, self.file_mode)  # the umask must not take the group bits away
@@ -513,6 +519,39 @@ class BlockPool:
             self.discard_tmp(fd, tmp)
             raise
         return fd, tmp
+
+    def _create_tmp_file(self, d: str, key: bytes) -> tuple[int, str]:
+        """(descriptor, path) of a new temporary file for ``key`` in its directory ``d``; block files
+        and reference files share it, so both recover from a directory removed under them."""
+        self._makedirs(d)
+        tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            return self.ops.open(tmp, flags, self.file_mode), tmp
+        except FileNotFoundError:
+            # The directory vanished under us (pool wiped while serving): recreate it once.
+            self._forget_dirs(d)
+            self._makedirs(d)
+            return self.ops.open(tmp, flags, self.file_mode), tmp
+
+    def _relink_into_removed_dirs(self, tmp: str, keys: list[bytes],
+                                  results: list[OSError | None]) -> list[OSError | None]:
+        """``results`` of linking ``tmp`` under ``keys``, with the keys that failed for a missing
+        directory linked once more after it is made again: a directory removed since it was cached
+        (pool wiped while serving) would otherwise fail every later save into it."""
+        again = [n for n, err in enumerate(results) if isinstance(err, FileNotFoundError)]
+        if not again:
+            return results
+        for b in {keys[n][0] for n in again}:
+            self._forget_dirs(self._key_dirs[b])
+            try:
+                self._makedirs(self._key_dirs[b])
+            except (OSError, PoolError):
+                pass  # the link below fails again and reports it
+        results = list(results)
+        for n, err in zip(again, self.ops.link_keys(tmp, self._key_dirs, [keys[n] for n in again], BLOCK_SUFFIX)):
+            results[n] = err
+        return results
 
     def publish(self, fd: int, tmp: str, key: bytes) -> bool:
         """Make the temporary file visible under its key; False if another writer won."""
@@ -660,13 +699,15 @@ def _listdir(d: str) -> list[str]:
 
 
 def _tmp_is_stale(name: str, path: str, now: float) -> bool:
-    """True if the temporary file ``name`` (at ``path``) is left over: ``.tmp-<key>-<host>-<pid>-<rand>``.
+    """True if the temporary file ``name`` (at ``path``) is left over: ``.tmp-<key>-<host tag>-<pid>-<rand>``.
 
     Never while it is young (TMP_YOUNG_S): its pid cannot be checked from another pid namespace on
     the same host, and nothing in the name says which namespace wrote it, so only age protects a
-    live writer there.  Past that, a file of this host name whose pid is not running here is from
-    a dead writer (or a writer of another pid namespace stuck beyond every deadline); any other
-    file, a foreign host's or a name that does not parse, goes after STALE_FOREIGN_TMP_S.
+    live writer there.  Past that, a file whose host part is exactly this host's tag (:func:`host_tag`)
+    and whose pid is not running here is from a dead writer (or a writer of another pid namespace
+    stuck beyond every deadline); any other file, a foreign host's, a name that does not parse or
+    one named before host tags (its host part cut short, possibly another host's), goes after
+    STALE_FOREIGN_TMP_S.
     """
     age = _age(path, now)
     if age is None or age <= TMP_YOUNG_S:
@@ -674,7 +715,7 @@ def _tmp_is_stale(name: str, path: str, now: float) -> bool:
     if age > STALE_FOREIGN_TMP_S:
         return True
     parts = name[len(TMP_PREFIX):].split("-")
-    if len(parts) != 4 or parts[1] != _HOST:
+    if len(parts) != 4 or parts[1] != HOST_TAG:
         return False
     pid = _parse_pid(parts[2])
     # A live pid may be a reused one; no writer holds a temporary file for an hour either way.

@@ -172,7 +172,7 @@ def ref_slab_name(raw: bytes) -> str | None:
 
 
 def parse_refs(raw: bytes, *, fingerprint: bytes, slot_bytes: int) -> dict[bytes, SlotRef]:
-    """Every entry of a reference file by key, after checking every field of the file."""
+    """Every entry of a reference file by key (a key's first entry), after checking every field of the file."""
     if len(raw) < REF_HEADER_SIZE or not is_ref_size(len(raw)):
         raise FormatError(f"reference file is {len(raw)} bytes, not a valid size")
     magic, version, count, fp, sbytes, slab_raw, reserved = _REF_FIXED.unpack_from(raw)
@@ -201,5 +201,12 @@ def parse_refs(raw: bytes, *, fingerprint: bytes, slot_bytes: int) -> dict[bytes
     if any(map(_ROW_RESERVED, rows)):
         raise FormatError("reserved reference entry field is not zero")
     keys = list(map(_ROW_KEY, rows))
-    return dict(zip(keys, map(_new_slot_ref, zip(keys, itertools.repeat(name), map(_ROW_SLOT, rows),
-                                                    map(_ROW_CREATED, rows)))))
+    refs = list(map(_new_slot_ref, zip(keys, itertools.repeat(name), map(_ROW_SLOT, rows), map(_ROW_CREATED, rows))))
+    by_key = dict(zip(keys, refs))
+    if len(by_key) < len(refs):
+        # A key listed twice (written by versions that saved a batch's repeated key twice): its name
+        # was linked for the first entry, whose slot the writer kept; the other's it freed at once.
+        by_key = {}
+        for ref in refs:
+            by_key.setdefault(ref.key, ref)
+    return by_key

@@ -778,7 +778,7 @@ def test_slabs_of_another_host_are_read_but_never_adopted_or_collected(shm_root,
     assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     a.arena.close()
     (slab,) = os.listdir(a.arena.dir)
-    assert slab.startswith("nodea-")
+    assert slab.startswith(f"{pool_mod.host_tag('nodea')}-")
     monkeypatch.setattr(pool_mod, "_HOST", "nodeb")
     b = _pool(shm_root, engine, 2, per_slab=2)
     assert b.arena.usage().get("slabs_adopted", 0) == 0 and b.arena.usage()["slabs_created"] == 1

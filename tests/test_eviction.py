@@ -16,7 +16,7 @@ import pytest
 from gds_kv_connector import eviction
 from gds_kv_connector.capacity import CapacityGuard
 from gds_kv_connector.eviction import EvictLock, evict, evict_pool, expire
-from gds_kv_connector.pool import TMP_PREFIX, TMP_YOUNG_S, BlockPool
+from gds_kv_connector.pool import HOST_TAG, TMP_PREFIX, TMP_YOUNG_S, BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY, BlockHeader
 from gds_kv_connector.pool_scan import quarantine_dir, scan_pool
 from gds_kv_connector.recency import RecencyLog
@@ -227,8 +227,8 @@ def test_tidies_stale_tmp_and_old_quarantine(tmp_path):
     pool = make_pool(tmp_path)
     put(pool, key(1))
     d = pool.dir_for(key(1))
-    dead_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{eviction._HOST}-999999999-abcd")
-    live_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{eviction._HOST}-{os.getpid()}-abcd")
+    dead_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{HOST_TAG}-999999999-abcd")
+    live_tmp = os.path.join(d, f"{TMP_PREFIX}{key(1).hex()}-{HOST_TAG}-{os.getpid()}-abcd")
     for p in (dead_tmp, live_tmp):
         open(p, "wb").close()
     qdir = quarantine_dir(str(tmp_path))

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gds_kv_connector.eviction import evict
-from gds_kv_connector.pool import (_HOST, STALE_FOREIGN_TMP_S, TMP_PREFIX, TMP_YOUNG_S, BlockPool,
+from gds_kv_connector.pool import (HOST_TAG, STALE_FOREIGN_TMP_S, TMP_PREFIX, TMP_YOUNG_S, BlockPool,
                                    _pid_alive, _tmp_is_stale)
 from gds_kv_connector.pool_format import ZERO_KEY, BlockHeader
 
@@ -26,7 +26,7 @@ def pool(tmp_path) -> BlockPool:
     return BlockPool((str(tmp_path),), FP, PAYLOAD, 4, geometry_note="test")
 
 
-def _tmp(pool: BlockPool, host: str = _HOST, pid: str = str(OTHER_PID)) -> str:
+def _tmp(pool: BlockPool, host: str = HOST_TAG, pid: str = str(OTHER_PID)) -> str:
     d = pool.dir_for(KEY)
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"{TMP_PREFIX}{KEY.hex()}-{host}-{pid}-abcd1234")
