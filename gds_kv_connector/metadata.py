@@ -31,7 +31,7 @@ class GdsKvMetadata:
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
     # Requests reset (V2 ``request_reset``) since the last metadata, under plain TP: every rank's
-    # worker fences their transfers when it binds this, before the forward that may reuse their pages.
+    # worker fences their transfers in start_load_kv, before the forward that may reuse their pages.
     resets: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:

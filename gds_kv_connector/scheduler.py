@@ -336,8 +336,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         that forward: a save reading the pages later would publish another request's KV under this
         one's keys, a load would write into another request's pages.  The process's only worker is
         fenced now, and this raises ConnectorFailure if a transfer outlives the control grace (a
-        wrong publish is worse than a crash); under plain TP every rank's worker fences when it
-        binds the next metadata, which carries the id."""
+        wrong publish is worse than a crash); under plain TP every rank's worker fences in
+        start_load_kv (before every forward) from the next metadata, which carries the id."""
         rid = _request_id(request)
         st = self._reqs.pop(rid, None)
         self._prefilling.discard(rid)

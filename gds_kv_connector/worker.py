@@ -92,19 +92,18 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                  f"slot arena of {self.settings.arena_bytes} bytes, {slab_kind(arena.mapped)}")
 
     # -- per iteration ----------------------------------------------------------------------------
-    def bind_connector_meta(self, metadata: object) -> None:
-        """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``): this
-        runs before ``start_load_kv`` and the forward that may give their pages to another request."""
-        super().bind_connector_meta(metadata)
-        if isinstance(metadata, GdsKvMetadata) and metadata.resets and self.transfers is not None:
-            self.transfers.fence(metadata.resets)
-
     @traced("worker/start_load_kv", "yellow")
     def start_load_kv(self, stream: Any) -> None:
+        """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``): the
+        executor runs this before every forward, the one that may give their pages to another
+        request included (an override of bind_connector_meta cost every iteration a call)."""
         meta = self._metadata
-        if not isinstance(meta, GdsKvMetadata) or not meta.loads:
+        if not isinstance(meta, GdsKvMetadata):
             return
-        self.transfers.submit_loads(meta.loads, self._record_event(stream))
+        if meta.resets:
+            self.transfers.fence(meta.resets)
+        if meta.loads:
+            self.transfers.submit_loads(meta.loads, self._record_event(stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.transfers is not None and self.transfers.has_sync_loads:

@@ -7,7 +7,7 @@ forward every worker skips the request's transfers not yet started (its ops take
 shared with other requests, whose ops still run) and waits for those running; one still running
 after the control grace fails the process.  The process's only worker is fenced by
 ``request_reset`` itself; under plain TP the id rides in the next metadata and each worker fences
-when it binds it.  Transfers are held with gates the tests open (``gated_ops``), never slept for.
+in start_load_kv, before the forward.  Transfers are held with gates the tests open (``gated_ops``), never slept for.
 """
 
 from __future__ import annotations
