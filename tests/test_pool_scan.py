@@ -255,11 +255,11 @@ def test_gc_keeps_free_slabs_when_a_directory_of_references_was_not_read(pool, m
     """A slab is removed only when no reference names it; a reference in a key directory the scan
     could not read may name it, so gc keeps every free slab until the whole pool is readable."""
     from gds_kv_connector.arena import SLABS_DIR, slab_host_is_this
-    from gds_kv_connector.pool import _HOST
+    from gds_kv_connector.pool import host_tag
     from gds_kv_connector.pool_format import SlotRef, pack_refs
     from gds_kv_connector.slab_gc import remove_orphan_slabs
 
-    slab = f"{_HOST[:32]}-1-abcd.slab"
+    slab = f"{host_tag()}-1-abcd.slab"
     assert slab_host_is_this(slab)
     os.makedirs(os.path.join(pool.fp_dirs[0], SLABS_DIR))
     with open(os.path.join(pool.fp_dirs[0], SLABS_DIR, slab), "wb") as fh:
