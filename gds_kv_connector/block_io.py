@@ -336,12 +336,16 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
             arena.forget(pin.key)
             # a slab goes only once no reference names it: one that names a missing slab can never
             # load again, and left in place it would keep matching (as _repin_stale_slot for mapped slabs)
-            if pin.ino != 0 and isinstance(exc, FileNotFoundError):
-                pool.quarantine(pin.key, f"arena slab {pin.slot.slab} is gone", pin.ino)
+            # (and a slab whose size or name is not a slab's never becomes one)
+            if pin.ino != 0 and isinstance(exc, (FileNotFoundError, FormatError, ValueError)):
+                pool.quarantine(pin.key, f"arena slab {pin.slot.slab}: {exc}", pin.ino)
             raise LoadFailure(pin.key, pin.path, f"arena slab {pin.slot.slab}: {exc}") from None
         if not 0 <= pin.slot.slot < nslots:
             arena.forget(pin.key)
-            raise LoadFailure(pin.key, pin.path, f"slot {pin.slot.slot} outside slab {pin.slot.slab} of {nslots}")
+            why = f"slot {pin.slot.slot} outside slab {pin.slot.slab} of {nslots}"
+            if pin.ino != 0:  # slabs never shrink: the reference (or the slab) is damaged for good
+                pool.quarantine(pin.key, why, pin.ino)
+            raise LoadFailure(pin.key, pin.path, why)
         items[n] = TransferItem(fd, arena.payload_offset(pin.slot.slot), views[n], headers[n])
     attempt = 0
     pending = which

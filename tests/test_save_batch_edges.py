@@ -229,6 +229,31 @@ def test_a_slab_that_cannot_be_opened_for_now_leaves_its_reference(shm_root, eng
     assert torch.equal(_load(b, engine, k), d)
 
 
+def test_a_reference_to_a_slot_its_slab_does_not_have_is_quarantined(shm_root, engine, owners):
+    """A disk slab shorter than the slot its reference names (cut short by hand, a damaged copy):
+    that reference can never load again, so it must stop matching, as a mapped slab's does."""
+    a = owners(shm_root, engine, 2, False)
+    k, d = _keys(2), _data(2, 1)
+    save_blocks(a, engine, k, [ZERO_KEY] * 2, [d[0], d[1]])
+    slot_bytes = a.arena.slot_bytes
+    a.arena.close()
+    (slab,) = os.listdir(a.arena.dir)
+    os.truncate(os.path.join(a.arena.dir, slab), slot_bytes)  # slot 0 stays, slot 1 is gone
+    b = owners(shm_root, engine, 2, False)
+    loads = []
+    for key in k:
+        _as_another_owner(b, k)
+        try:
+            _load(b, engine, [key])
+            loads.append(True)
+        except LoadFailure:
+            loads.append(False)
+    assert sorted(loads) == [False, True]
+    _as_another_owner(b, k)
+    assert len(_quarantined(shm_root)) == 1
+    assert sum(b.count_present([key]) for key in k) == 1
+
+
 # -- key directories removed while an owner serves ---------------------------------------------------
 def _keys_in_dirs(first_bytes: int, per_dir: int) -> list[list[bytes]]:
     """``per_dir`` keys for each of ``first_bytes`` different first bytes (key directories)."""
