@@ -197,6 +197,9 @@ def render_table(res: dict) -> str:
         if p.get("h2d_GBps_runs"):
             line += (f"   (best of before and after the phases: H2D {' / '.join(f'{v:.2f}' for v in p['h2d_GBps_runs'])}, "
                      f"D2H {' / '.join(f'{v:.2f}' for v in p['d2h_GBps_runs'])})")
+        if "h2d_GBps_4_streams" in p:
+            line += (f"; one stream / 4 MiB on 4 streams: H2D {p['h2d_GBps_one_stream']:.2f} / "
+                     f"{p['h2d_GBps_4_streams']:.2f}, D2H {p['d2h_GBps_one_stream']:.2f} / {p['d2h_GBps_4_streams']:.2f}")
         L.append(line)
     else:
         L.append("  pinned copy          (no CUDA)")
