@@ -120,8 +120,9 @@ SPECS: tuple[SettingSpec, ...] = (
                 "It bounds the KV pages finished requests hold while their saves wait, and how long a save "
                 "waits for storage slower than the KV produced: 4GiB is a few percent of a large GPU's KV "
                 "cache and about a second of writes to one NVMe drive. 0 means unbounded.", _non_negative),
-    SettingSpec("control_grace_s", 1.0, float, "How long cancellation, shutdown and request_reset wait for "
-                "in-flight I/O to drain.", _positive),
+    SettingSpec("control_grace_s", 1.0, float, "How long cancellation and shutdown wait for in-flight I/O to "
+                "drain; request_reset waits up to the transfer's deadline and warns once it passes this.",
+                _positive),
     SettingSpec("read_retries", 2, int, "Retries of a transient read error (EIO, EAGAIN, EINTR, ETIMEDOUT) "
                 "within the deadline, after a pause of 10 ms doubled for each further one.",
                 lambda v: None if 0 <= v <= 20 else "must be 0..20"),

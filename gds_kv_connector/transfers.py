@@ -458,10 +458,13 @@ class TransferManager:
         V2's ``request_reset``: the requests' pages were released, and the next forward may write
         another request's KV into them.  Their transfers not started yet are skipped (their ops are
         taken out of shared batches, whose other requests' ops still run); those already moving
-        bytes are waited for, up to the control grace.  One still running after that raises
-        ConnectorFailure, fatal to the process: a save reading pages that another request
-        overwrites would publish that request's KV under these requests' keys, and a load would write
-        into another request's KV, silently wrong answers either way, which is worse than a crash.
+        bytes are waited for, up to their deadline (a running save's from its start, a load's from
+        its acceptance: where the next poll would fail the process anyway), so storage that is slow,
+        not stuck, costs the executor a wait (logged once it passes the control grace), not the
+        process.  One still running then raises ConnectorFailure, fatal to the process: a save
+        reading pages that another request overwrites would publish that request's KV under these
+        requests' keys, and a load would write into another request's KV, silently wrong answers
+        either way, which is worse than a crash.
         Their counts stay as they are and drain as the batches settle, so a request is still
         reported once, whether or not TensorRT-LLM goes on to pass it again."""
         rids = set(request_ids)
@@ -484,18 +487,27 @@ class TransferManager:
                 if not keep:
                     batch.future.cancel()
         self.stats.add_many(fenced_blocks_skipped=skipped, fenced_batches_waited=len(running))
-        end = time.monotonic() + self.settings.control_grace_s
+        grace, limit = self.settings.control_grace_s, self.settings.deadline_s
+        t0 = time.monotonic()
         for batch in running:
+            since = batch.started if batch.kind == "save" and batch.started else batch.accepted
             try:
-                batch.future.exception(timeout=max(end - time.monotonic(), 0.0))
+                batch.future.exception(timeout=min(grace, max(since + limit - time.monotonic(), 0.0)))
             except TimeoutError:
-                reset = ", ".join(str(rid) for rid in sorted(rids & {op.request_id for op in batch.run}))
-                raise ConnectorFailure(
-                    f"gds-kv-connector: request {reset} was reset "
-                    f"while its {batch.kind} of {batch.nbytes} bytes (first file "
-                    f"{self.pool.path_for(batch.run[0].keys[0])}) was still running after the "
-                    f"{self.settings.control_grace_s:.1f}s control grace: its pages may now be another "
-                    "request's, and that transfer would move the wrong KV") from None
+                log.warning("gds-kv-connector: a reset request's %s of %d bytes is still running after the "
+                            "%.1fs control grace; the executor waits for it, until its deadline", batch.kind,
+                            batch.nbytes, grace)
+                try:
+                    batch.future.exception(timeout=max(since + limit - time.monotonic(), 0.0))
+                except TimeoutError:
+                    reset = ", ".join(str(rid) for rid in sorted(rids & {op.request_id for op in batch.run}))
+                    raise ConnectorFailure(
+                        f"gds-kv-connector: request {reset} was reset while its {batch.kind} of {batch.nbytes} "
+                        f"bytes (first file {self.pool.path_for(batch.run[0].keys[0])}) was still running at its "
+                        f"{limit:.1f}s deadline: its pages may now be another request's, and that transfer "
+                        "would move the wrong KV") from None
+        if running:
+            self.stats.add("fence_wait_us", int(1e6 * (time.monotonic() - t0)))
         self._settle_done()
         for rid in rids:  # a failed load of theirs concerns pages they no longer hold
             self._load_failed.pop(rid, None)
