@@ -22,9 +22,9 @@ class PeerInfo:
     fingerprints: tuple[bytes, ...]  # one per TP shard (one entry when attention is not sharded)
     block_bytes: int
     deliver_saves: Callable[[list[SaveOp]], None]
-    # The worker's TransferManager.fence: a reset request's transfers stop touching its pages before
-    # request_reset returns, so the next forward may give them to another request.
-    fence: Callable[[list[int]], None]
+    # The worker's TransferManager.fence: request_reset takes a reset request's queued transfers out
+    # at once (wait=False); the worker's start_load_kv waits for its running ones before the forward.
+    fence: Callable[..., None]
     stats: Any
     # The worker's view of its own shard: the scheduler matches through it, so a block this process
     # saved is found in its in-memory index instead of with a stat(2) per key.

@@ -334,20 +334,20 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         another request's KV after the next forward.  A load of it not yet handed to the workers is
         dropped here.  Transfers already handed over are fenced (``TransferManager.fence``) before
         that forward: a save reading the pages later would publish another request's KV under this
-        one's keys, a load would write into another request's pages.  The process's only worker is
-        fenced now, and this raises ConnectorFailure if a transfer outlives the control grace (a
-        wrong publish is worse than a crash); under plain TP every rank's worker fences in
-        start_load_kv (before every forward) from the next metadata, which carries the id."""
+        one's keys, a load would write into another request's pages.  The next metadata carries the
+        id, and every worker fences in start_load_kv (before every forward): it waits for the
+        request's running transfers and raises ConnectorFailure if one outlives its deadline (a
+        wrong publish is worse than a crash), from a callback whose exceptions TensorRT-LLM treats
+        as fatal.  The process's only worker (TP 1, attention DP) also drops the queued ones now."""
         rid = _request_id(request)
         st = self._reqs.pop(rid, None)
         self._prefilling.discard(rid)
         self._cancelled.pop(rid, None)
         self._unqueue_loads(rid)
         if st is not None and st.dispatched:
-            if self._sole_worker:
-                self._connect().fence([rid])
-            else:
-                self._out_resets.append(rid)
+            if self._sole_worker:  # its queued transfers go now; start_load_kv waits for running ones
+                self._connect().fence([rid], wait=False)
+            self._out_resets.append(rid)
 
     def _unqueue_loads(self, rid: int) -> list[LoadOp]:
         """Take the request's loads not yet handed to the workers out of the queue."""

@@ -452,7 +452,7 @@ class TransferManager:
         return ConnectorFailure(f"gds-kv-connector: load for request {rid} failed: {exc!r}")
 
     # -- cancellation and shutdown ----------------------------------------------------------------
-    def fence(self, request_ids: Collection[int]) -> None:
+    def fence(self, request_ids: Collection[int], wait: bool = True) -> None:
         """Stop every transfer of these requests from touching their pages, before this returns.
 
         V2's ``request_reset``: the requests' pages were released, and the next forward may write
@@ -466,8 +466,12 @@ class TransferManager:
         requests' keys, and a load would write into another request's KV, silently wrong answers
         either way, which is worse than a crash.
         Their counts stay as they are and drain as the batches settle, so a request is still
-        reported once, whether or not TensorRT-LLM goes on to pass it again."""
+        reported once, whether or not TensorRT-LLM goes on to pass it again.  Without ``wait`` only
+        the queued ops are taken out (``request_reset`` itself, which must not raise: TensorRT-LLM
+        treats exceptions as fatal only from the worker's callbacks; ``start_load_kv`` waits)."""
         rids = set(request_ids)
+        for rid in rids:  # a failed load of theirs concerns pages they no longer hold
+            self._load_failed.pop(rid, None)
         pending = self._pending
         if not any(rid in pending for rid in rids):
             return
@@ -486,6 +490,9 @@ class TransferManager:
                 batch.run = keep
                 if not keep:
                     batch.future.cancel()
+        if not wait:
+            self.stats.add("fenced_blocks_skipped", skipped)
+            return
         self.stats.add_many(fenced_blocks_skipped=skipped, fenced_batches_waited=len(running))
         grace, limit = self.settings.control_grace_s, self.settings.deadline_s
         t0 = time.monotonic()
@@ -509,7 +516,7 @@ class TransferManager:
         if running:
             self.stats.add("fence_wait_us", int(1e6 * (time.monotonic() - t0)))
         self._settle_done()
-        for rid in rids:  # a failed load of theirs concerns pages they no longer hold
+        for rid in rids:  # and one that settled while it waited
             self._load_failed.pop(rid, None)
 
     def cancel_queued(self, rid: int) -> int:

@@ -19,7 +19,7 @@ from .metadata import GdsKvMetadata
 from .arena import slab_kind, start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .stats import Stats
 from .trace_ranges import check_mode, trace_range, traced
 from .transfers import TransferManager
@@ -71,6 +71,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                               share_group=self.settings.share_group, fsync=self.settings.fsync,
                               index_ttl_s=self.settings.index_ttl_s, geometry_note=geom.describe(),
                               ops=self._fileops, refs=self.settings.arena_bytes > 0)
+        limit = self.settings.max_queued_save_bytes
+        if 0 < limit < self.pool.payload_len:  # no save would ever fit: saving silently off
+            raise SettingsError(f"TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES={limit} is below one block's {self.pool.payload_len} "
+                                "bytes, so every save would be dropped: raise it, or set TLLM_GDS_KV_SAVE=false")
         self.pool.cleanup_stale_tmp()
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
                              probe_dir=self.pool.fp_dirs[0], compat_io=self.settings.compat_io)

@@ -6,8 +6,8 @@ corruption of every later hit), a load would write into another request's pages.
 forward every worker skips the request's transfers not yet started (its ops taken out of batches
 shared with other requests, whose ops still run) and waits for those running; one still running
 after the control grace fails the process.  The process's only worker is fenced by
-``request_reset`` itself; under plain TP the id rides in the next metadata and each worker fences
-in start_load_kv, before the forward.  Transfers are held with gates the tests open (``gated_ops``), never slept for.
+``request_reset`` itself (queued ones) and in start_load_kv (running ones); under plain TP the id
+rides in the next metadata and each worker fences in start_load_kv, before the forward.  Transfers are held with gates the tests open (``gated_ops``), never slept for.
 """
 
 from __future__ import annotations
@@ -249,7 +249,22 @@ def test_request_reset_fences_the_only_worker_before_it_returns(gated_pair):
     _drain(worker, gate, blocker_keys[0])
     assert not any(worker.pool.contains(k) or ops.did_move(k) for k in keys)
     assert worker.stats.snapshot()["fenced_blocks_skipped"] == 2
-    assert sched.build_connector_meta(SchedulerOutput()) is None  # nothing left for any other worker
+    meta, _ = _iteration(sched, worker)  # start_load_kv would wait for what still ran: nothing here
+    assert meta.resets == [2]
+    assert sched.build_connector_meta(SchedulerOutput()) is None  # sent once
+
+
+def test_request_reset_never_raises_a_running_save_s_deadline_fails_start_load_kv(gated_pair, monkeypatch):
+    """TensorRT-LLM treats exceptions as fatal from the worker's callbacks; one from request_reset
+    might be caught per request while the save goes on reading pages given away."""
+    monkeypatch.setenv("TLLM_GDS_KV_DEADLINE_S", "0.3")
+    monkeypatch.setenv("TLLM_GDS_KV_CONTROL_GRACE_S", "0.05")
+    sched, worker, ops = gated_pair()
+    req, keys, gate = _prefill(sched, worker, 1, [0, 1], gate_ops=ops)  # its save runs, held in storage
+    sched.request_reset(req)  # returns at once
+    with pytest.raises(ConnectorFailure, match="request 1 was reset while its save"):
+        _iteration(sched, worker)
+    gate.release()
 
 
 def test_under_plain_tp_the_next_metadata_fences_every_worker_when_bound(gated_pair):
@@ -265,3 +280,21 @@ def test_under_plain_tp_the_next_metadata_fences_every_worker_when_bound(gated_p
     _drain(worker, gate, blocker_keys[0])
     assert not any(worker.pool.contains(k) or ops.did_move(k) for k in keys)
     assert sched.build_connector_meta(SchedulerOutput()) is None  # sent once
+
+
+def test_a_reset_request_s_settled_load_failure_does_not_fail_its_replay(rig):
+    """A failed async load settled before the request was passed as loading is kept for its poll;
+    the fence returned early (nothing in flight) and kept it, and the replay's good load raised it."""
+    r = rig()
+    r.tm.submit_loads([LoadOp(5, (fh.key_of("never-saved", 0),), (10,), True)], None)
+    end = time.monotonic() + WAIT_S
+    while r.tm._inflight:
+        assert time.monotonic() < end
+        r.poll()
+        time.sleep(0.002)
+    r.tm.fence([5])
+    stored = [fh.key_of("replay", 0)]
+    assert save_blocks(r.pool, r.engine, stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
+    r.tm.submit_loads([LoadOp(5, tuple(stored), (11,), True)], None)
+    r.poll(loading=[5])
+    r.poll_until(want_loaded=[5])

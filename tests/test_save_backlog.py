@@ -173,19 +173,20 @@ def test_loads_overtake_queued_saves(rig):
 
 
 class _SlowWrites(FileOps):
-    """Every write takes 2 ms: far under the deadline, but slower than the executor makes KV."""
+    """Every write takes 5 ms: far under the deadline, but slower than the executor makes KV."""
 
     def pwrite(self, fd, data, offset):
-        time.sleep(0.002)
+        time.sleep(0.005)
         return super().pwrite(fd, data, offset)
 
 
 @fh.timeout(120)
 def test_storage_slower_than_the_forward_costs_saves_not_the_process(pool_env, monkeypatch):
     """The reviewer's reproducer, smaller: 30 requests of 10 prompt blocks with one transfer thread
-    and a 0.25 s deadline.  Saves queued past the deadline used to fail the executor when their
-    request finished."""
-    for name, value in (("DEADLINE_S", "0.25"), ("TRANSFER_THREADS", "1"), ("IO_THREADS", "1"), ("ENGINE", "posix")):
+    and a 1 s deadline: 1.5 s or more of writes in all, none of one iteration's batches (at most 4
+    requests' prompts, about 0.2 s) near the deadline.  Saves queued past the deadline used to fail
+    the executor when their request finished."""
+    for name, value in (("DEADLINE_S", "1.0"), ("TRANSFER_THREADS", "1"), ("IO_THREADS", "1"), ("ENGINE", "posix")):
         monkeypatch.setenv(f"TLLM_GDS_KV_{name}", value)
     tpb = 4
     la = fake_llm_args(tpb, model="slow-storage")
@@ -202,3 +203,12 @@ def test_storage_slower_than_the_forward_costs_saves_not_the_process(pool_env, m
         assert snap.get("save_blocks_dropped_deadline", 0) + snap.get("save_blocks_dropped_backlog", 0) > 0
     finally:
         ex.worker.shutdown()
+
+
+def test_a_backlog_bound_below_one_block_is_refused_at_start_up(connector_pair, monkeypatch):
+    """Every save would be dropped, and the one warning would blame the storage."""
+    from gds_kv_connector.settings import SettingsError
+
+    monkeypatch.setenv("TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES", "1KiB")
+    with pytest.raises(SettingsError, match="MAX_QUEUED_SAVE_BYTES=1024 is below one block"):
+        connector_pair("tiny-backlog", (8, 1, 2, 1024), 4)
