@@ -337,14 +337,13 @@ static int zero_tail(const unsigned char *h) { return memcmp(h + FIELDS, ZEROS, 
 
 /* Why a header fails pool_format.parse_header's checks plus the slot's expected key and
  * creation time; NULL when it passes. */
-static const char *header_fault(const unsigned char *h, const unsigned char *fp, const unsigned char *key,
-                                uint64_t created, uint64_t payload_len) {
+static const char *header_fault(const unsigned char *h, const unsigned char *tail_of, const unsigned char *fp,
+                                const unsigned char *key, uint64_t created, uint64_t payload_len) {
     if (memcmp(h, MAGIC, 8)) return "bad magic";
-    atomic_thread_fence(memory_order_acquire); /* the fields read next are those the magic was written after */
     if (get32(h + 8) != 1) return "unsupported format version";
     if (get32(h + 12) != HEADER_SIZE) return "bad header_size";
     if (get32(h + CRC_AT) != crc32(0, h, CRC_AT)) return "header checksum mismatch";
-    if (!zero_tail(h)) return "non-zero bytes in the reserved header tail";
+    if (!zero_tail(tail_of)) return "non-zero bytes in the reserved header tail";
     if (get32(h + 112) || get32(h + 116)) return "unknown flags / reserved";
     if (get32(h + 96) != 1) return "unknown checksum algorithm";
     uint64_t plen = get64(h + 80);
@@ -385,15 +384,22 @@ static PyObject *check_headers(PyObject *self, PyObject *args) {
     const char *why = NULL;
     PyThreadState *saved = PyEval_SaveThread();
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* One snapshot of the fields, magic first (write_headers writes it last), is both what is
+         * checked and what first_changed compares after the copy: checked live and copied in a
+         * second read, a slot rewritten in between gave the check the old key and the snapshot
+         * the new one, and the copy of the new payload then passed as unchanged. */
         const unsigned char *h = addr_at(&a, i);
-        why = header_fault(h, f.buf, (const unsigned char *)k.buf + i * KEY,
+        unsigned char *snap = fb + i * FIELDS;
+        memcpy(snap, h, 8);
+        atomic_thread_fence(memory_order_acquire);
+        memcpy(snap + 8, h + 8, FIELDS - 8);
+        why = header_fault(snap, h, f.buf, (const unsigned char *)k.buf + i * KEY,
                            get64((const unsigned char *)c.buf + i * 8), plen);
         if (why) {
             bad = i;
             break;
         }
-        memcpy(fb + i * FIELDS, h, FIELDS);
-        memcpy(sb + i * 8, h + 88, 8);
+        memcpy(sb + i * 8, snap + 88, 8);
     }
     take_gil_back(saved);
     Py_ssize_t good = bad < 0 ? n : bad;

@@ -100,15 +100,17 @@ def check_headers(addrs: Sequence[int], fingerprint: bytes, keys: list[bytes], c
     out: list[bytes] = []
     got: list[int] = []
     for i, (a, k, c) in enumerate(zip(addrs, keys, created_ns)):
+        magic = ctypes.string_at(a, 8)  # first: write_headers writes it last (see the C loop)
+        raw = magic + ctypes.string_at(a + 8, HEADER_SIZE - 8)
         try:
-            h = parse_header(ctypes.string_at(a, HEADER_SIZE), fingerprint=fingerprint, payload_len=payload_len)
+            h = parse_header(raw, fingerprint=fingerprint, payload_len=payload_len)
         except FormatError as exc:
             return b"".join(out), got, i, str(exc)
         if h.key != k:
             return b"".join(out), got, i, "slot holds another key's record than its reference names (reused)"
         if h.created_ns != c:
             return b"".join(out), got, i, "slot holds a newer record of this key than its reference (reused)"
-        out.append(ctypes.string_at(a, HEADER_FIELDS_SIZE))
+        out.append(raw[:HEADER_FIELDS_SIZE])  # the bytes checked, not a second read
         got.append(h.checksum)
     return b"".join(out), got, -1, None
 
