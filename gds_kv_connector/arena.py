@@ -737,6 +737,17 @@ def slab_host_is_this(name: str) -> bool:
     return host == _slab_host() or host == _HOST
 
 
+def slab_host_is_legacy_prefix(name: str) -> bool:
+    """Whether a slab was named before host tags (``_HOST[:32]``) by this host or by another whose
+    name shares this one's first 32 characters: for a host name longer than 32 the name cannot
+    tell, so such slabs are neither adopted nor removed unless the operator says so
+    (``gds-kv gc --legacy-slabs``, once no process of the older version runs on any host sharing
+    the prefix)."""
+    from .pool import _HOST
+
+    return len(_HOST) > 32 and name.split("-", 1)[0] == _HOST[:32]
+
+
 def lock_if_unowned(path: str, now: float) -> int | None:
     """A descriptor holding the owner lock of the slab (or temporary slab) at ``path``, or None when
     a live owner holds it, it changed in the last FRESH_S (its creator may not have locked it yet),

@@ -69,7 +69,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     s = Settings.load_from(require_root=False)
     quota = args.quota if args.quota is not None else s.quota_bytes
     result = gc(_roots(args), quota, s.low_watermark, args.max_age_s, min_free_bytes=s.min_free_bytes,
-                grace_s=s.evict_grace_s, dry_run=args.dry_run)
+                grace_s=s.evict_grace_s, dry_run=args.dry_run, legacy_slabs=args.legacy_slabs)
     return _emit(args, result, format_gc(result))
 
 
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--quota", type=parse_size, help=f"byte budget (default: ${ENV_PREFIX}QUOTA_BYTES)")
             c.add_argument("--max-age-s", type=float, default=0.0, help="also remove blocks older than this")
             c.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+            c.add_argument("--legacy-slabs", action="store_true",
+                           help="also take arena slabs named before host tags with this host's first 32 characters "
+                                "for this host's (only once no older version runs on a host sharing them)")
         if name == "verify":
             c.add_argument("--workers", type=int, default=8)
             c.add_argument("--no-quarantine", action="store_true", help="report bad files but leave them")

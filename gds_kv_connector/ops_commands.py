@@ -265,7 +265,7 @@ def _stats_lines(result: dict[str, Any]) -> list[str]:
 # -- gc -------------------------------------------------------------------------------------------
 def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_age_s: float = 0.0, *,
        min_free_bytes: int = 0, grace_s: float = 300.0, dry_run: bool = False,
-       now: float | None = None) -> dict[str, Any]:
+       now: float | None = None, legacy_slabs: bool = False) -> dict[str, Any]:
     """Expire blocks older than ``max_age_s`` (0: keep), then evict every root of the pool down to
     its budget (``quota_bytes`` and ``min_free_bytes`` apply to each root, as in the connector).
 
@@ -297,7 +297,7 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
         else:
             steps.append(evict_pool(roots, quota_bytes, low_watermark, min_free_bytes, grace_s, now,
                                     dry_run=dry_run))
-    slabs = [remove_orphan_slabs(r, dry_run, now).to_dict() for r in roots]
+    slabs = [remove_orphan_slabs(r, dry_run, now, legacy_slabs).to_dict() for r in roots]
     results = [_gc_result([step[i] for step in steps], estimated[i], slabs[i], dry_run, quota_bytes)
                for i in range(len(roots))]
     totals = {"dry_run": dry_run, "skipped": any(r["skipped"] for r in results),
@@ -389,6 +389,10 @@ def _gc_lines(result: dict[str, Any]) -> list[str]:
                      f"{result['slab_temps_removed']} left unfinished by a creator that died "
                      f"({_human(result['slab_bytes_removed'])}), kept {result['slabs_kept_referenced']} that "
                      "references still name")
+    if result["legacy_slabs_skipped"]:
+        lines.append(f"  {result['legacy_slabs_skipped']} arena slabs named before host tags by this host or one "
+                     "sharing its first 32 characters were left: once no older version runs on such a host, "
+                     "`gds-kv gc --legacy-slabs` removes those no owner holds and no reference names")
     if result["unreadable_entries"]:
         lines.append(f"  {result['unreadable_entries']} directories or entries could not be read: usage counts "
                      "only what was read, and the budget is not known to be met")

@@ -27,7 +27,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .arena import FRESH_S, SLAB_SUFFIX, SLABS_DIR, lock_if_unowned, slab_host_is_this, slab_of_tmp_name
+from .arena import (FRESH_S, SLAB_SUFFIX, SLABS_DIR, lock_if_unowned, slab_host_is_legacy_prefix, slab_host_is_this,
+                    slab_of_tmp_name)
 from .pool_format import REF_HEADER_SIZE, is_ref_size, ref_slab_name
 from .pool_scan import BlockFile, fingerprint_dirs, layout_dir, list_dir, scan_pool
 
@@ -41,18 +42,24 @@ class SlabReport:
     kept_referenced: int = 0  # free slabs some reference still names
     held: int = 0  # slabs (or temporary files) a live owner holds, or changed in the last FRESH_S
     other_hosts: int = 0  # slabs created on another host: left to a gc run there
+    legacy_skipped: int = 0  # named before host tags with this host's first 32 characters: not taken
 
     def to_dict(self) -> dict[str, int]:
         return {"slabs_removed": len(self.removed), "slab_bytes_removed": self.removed_bytes,
                 "slabs_kept_referenced": self.kept_referenced, "slabs_held_by_owners": self.held,
-                "slabs_of_other_hosts": self.other_hosts, "slab_temps_removed": len(self.temps_removed)}
+                "slabs_of_other_hosts": self.other_hosts, "slab_temps_removed": len(self.temps_removed),
+                "legacy_slabs_skipped": self.legacy_skipped}
 
 
-def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = None) -> SlabReport:
+def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = None,
+                        legacy: bool = False) -> SlabReport:
     """Remove (or with ``dry_run`` only count) every slab below ``root`` that is unowned and unnamed.
     Stale temporary files of creators that died go too.  A file changed in the last ``FRESH_S`` is
     left alone: its creator opens it before it locks it (under the slab's own name, before versions
-    that create slabs under a temporary name)."""
+    that create slabs under a temporary name).  With ``legacy``, slabs named before host tags with
+    this host's first 32 characters (:func:`~.arena.slab_host_is_legacy_prefix`) are taken for this
+    host's; without it they are counted (``legacy_slabs_skipped``), since after an upgrade on a host
+    whose name is longer nothing else would ever remove them."""
     report = SlabReport()
     now = time.time() if now is None else now
     base = layout_dir(root)
@@ -66,8 +73,12 @@ def remove_orphan_slabs(root: str, dry_run: bool = False, now: float | None = No
                 if slab is None and (not name.endswith(SLAB_SUFFIX) or name.startswith(".")):
                     continue
                 if not slab_host_is_this(slab or name):
-                    report.other_hosts += 1
-                    continue
+                    if not slab_host_is_legacy_prefix(slab or name):
+                        report.other_hosts += 1
+                        continue
+                    if not legacy:
+                        report.legacy_skipped += 1
+                        continue
                 path = os.path.join(slab_dir, name)
                 fd = lock_if_unowned(path, now)
                 if fd is None:

@@ -318,7 +318,26 @@ def test_an_old_slab_name_cut_at_32_is_never_taken_for_this_host_s(shm_root, eng
         assert b.arena.usage().get("slabs_adopted", 0) == 0
         b.arena.close()
         r = remove_orphan_slabs(shm_root, now=time.time() + LATER)
-        assert r.other_hosts == 1 and slab in os.listdir(b.arena.dir)
+        assert r.legacy_skipped == 1 and slab in os.listdir(b.arena.dir)  # counted, so gc can say so
+
+
+def test_gc_removes_old_slabs_of_a_long_host_name_only_when_told(shm_root, engine, mapped, monkeypatch):
+    """Otherwise nothing ever would: no host takes them for its own after the upgrade, and on tmpfs
+    they hold host memory."""
+    from gds_kv_connector.ops_commands import format_gc, gc
+
+    monkeypatch.setattr(pool_mod, "_HOST", _host(NODE_A))
+    slab = _old_format_slab(shm_root, engine, mapped, monkeypatch)
+    slab_dir = os.path.join(shm_root, pool_mod.LAYOUT_DIR, FP.hex()[:16], "slabs")
+    later = time.time() + LATER
+    kept = gc(shm_root, 0, 0.9, now=later)
+    assert kept["legacy_slabs_skipped"] == 1 and kept["slabs_removed"] == 0 and os.listdir(slab_dir) == [slab]
+    assert "gds-kv gc --legacy-slabs" in format_gc(kept)
+    monkeypatch.setattr(pool_mod, "_HOST", _host("other-node-sharing-nothing"))
+    assert gc(shm_root, 0, 0.9, now=later, legacy_slabs=True)["slabs_removed"] == 0  # another host's all the same
+    monkeypatch.setattr(pool_mod, "_HOST", _host(NODE_B))
+    removed = gc(shm_root, 0, 0.9, now=later, legacy_slabs=True)
+    assert removed["slabs_removed"] == 1 and removed["legacy_slabs_skipped"] == 0 and os.listdir(slab_dir) == []
 
 
 def test_a_host_tag_of_the_longest_host_keeps_slab_names_within_their_field(shm_root, engine, monkeypatch):
