@@ -70,9 +70,9 @@ SWEEP_S = 5.0  # how often the other owners' slabs this process holds are checke
 # Slabs checked per sweep, in turn: two stats each, on a transfer thread, and a reader may hold
 # thousands of slabs on a shared filesystem where a stat is a round trip.
 SWEEP_SLABS = 64
-# How long a removed slab stays mapped (or open) after this process saw it go: a load that took its
-# addresses or descriptor just before copies for one batch, bounded by TLLM_GDS_KV_DEADLINE_S (60 s
-# by default), and unmapping under a copy crashes the process.
+# How long a removed slab stays mapped (or open) after this process saw it go, at least: a load that
+# took its addresses or descriptor just before copies for one batch, bounded by TLLM_GDS_KV_DEADLINE_S
+# (60 s by default; start_arena gives twice a longer one), and unmapping under a copy crashes the process.
 RELEASE_GRACE_S = 120.0
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
@@ -116,9 +116,12 @@ class SlotArena:
     """One process's slabs in one pool directory, plus the other owners' slabs it reads from."""
 
     def __init__(self, pool: BlockPool, mapper: HostMapper, capacity_bytes: int, slab_bytes: int,
-                 reuse_delay_s: float, clock: Callable[[], float] = time.monotonic, mapped: bool = True) -> None:
+                 reuse_delay_s: float, clock: Callable[[], float] = time.monotonic, mapped: bool = True,
+                 release_grace_s: float = RELEASE_GRACE_S) -> None:
         """``mapped``: slabs are mapped and registered for DMA (a host-memory pool); else they are
-        files moved with the engine's reads and writes (a disk pool)."""
+        files moved with the engine's reads and writes (a disk pool).  ``release_grace_s``: how long a
+        slab gc removed stays mapped for loads that took it (:meth:`_sweep`)."""
+        self.release_grace_s = release_grace_s
         if len(pool.fp_dirs) != 1:
             raise ArenaError("the slot arena serves a pool with exactly one root")
         self.pool = pool
@@ -409,10 +412,12 @@ class SlotArena:
         """Let go of other owners' slabs that gc removed.  A cached mapping or descriptor keeps a
         removed slab's host memory or disk space allocated for as long as it is held, and owners
         come and go for the life of a reader.  A slab no name leads to any more leaves the cache at
-        once (a later lookup fails cleanly, as for any missing slab) and is closed RELEASE_GRACE_S
+        once (a later lookup fails cleanly, as for any missing slab) and is closed release_grace_s
         later, since a load may be copying through the address or descriptor it took just before.
-        Runs at most every SWEEP_S, from calls the arena sees anyway, never per block, and checks
-        up to SWEEP_SLABS slabs each time."""
+        Runs at most every SWEEP_S, from calls the arena sees anyway, never per block and never on a
+        load's path (a stat on a shared filesystem is a round trip, and a synchronous load holds up
+        the forward): from saves' slot allocation and from :meth:`usage`, which the stats publisher
+        calls every interval.  Checks up to SWEEP_SLABS slabs each time."""
         with self._lock:
             now = self.clock()
             if self._sweeping or now < self._sweep_at:
@@ -430,7 +435,7 @@ class SlotArena:
                 for slab in gone:
                     if self._slabs.get(slab.name) is slab and not slab.owned:  # not adopted meanwhile
                         del self._slabs[slab.name]
-                        self._retired.append((now + RELEASE_GRACE_S, slab))
+                        self._retired.append((now + self.release_grace_s, slab))
             for slab in due:
                 self._unmap(slab)
                 self.stats["slabs_released"] += 1
@@ -483,8 +488,6 @@ class SlotArena:
 
     def slab_fd(self, name: str) -> tuple[int, int]:
         """(descriptor, slot count) of any slab in this pool, opened on first use (file mode)."""
-        if self.clock() >= self._sweep_at:
-            self._sweep()
         slab = self._slab(name)
         return slab.fd, slab.nslots
 
@@ -630,8 +633,6 @@ class SlotArena:
         index of the failing one or -1, its error: FormatError when the slot was reused or is
         damaged, OSError when its slab cannot be mapped).  Each header must be a valid block
         header naming the reference's key and creation time (native.check_headers)."""
-        if self.clock() >= self._sweep_at:
-            self._sweep()
         addrs: list[int] = []
         err: Exception | None = None
         sb = self.slot_bytes
@@ -698,8 +699,9 @@ def slab_kind(mapped: bool) -> str:
 
 def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> SlotArena:
     """The worker's arena, its slab kind chosen by :func:`maps_slabs`."""
+    # a load holding a removed slab's addresses runs within its deadline: twice that, at least the default
     arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s,
-                      mapped=maps_slabs(pool.roots[0]))
+                      mapped=maps_slabs(pool.roots[0]), release_grace_s=max(RELEASE_GRACE_S, 2 * settings.deadline_s))
     arena.start()
     return arena
 

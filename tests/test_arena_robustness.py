@@ -349,3 +349,33 @@ def test_a_host_tag_of_the_longest_host_keeps_slab_names_within_their_field(shm_
     (slab,) = a.arena._slabs
     assert slab.startswith(f"{tag}-4194303-") and len(slab) <= 64 and slab_host_is_this(slab)
     a.arena.close()
+
+
+def test_loads_never_sweep_and_the_grace_outlasts_a_load_s_deadline(shm_root, engine, monkeypatch):
+    """A sweep stats up to SWEEP_SLABS slabs (round trips on a shared filesystem): not on a load's
+    path, where a synchronous load holds up the forward.  And a removed slab stays mapped for twice
+    the configured deadline, since a load may copy from it that long."""
+    from gds_kv_connector.settings import Settings
+
+    now = [1000.0]
+    a = _pool(shm_root, engine, 2)
+    keys = _keys(2)
+    _save(a, engine, keys, 2)
+    refs = [a.arena.cached_ref(k) for k in keys]
+    b = _pool(shm_root, engine, 2, clock=lambda: now[0])
+    swept = []
+    monkeypatch.setattr(b.arena, "_sweep", lambda: swept.append(now[0]))
+    now[0] += arena_mod.SWEEP_S
+    assert b.arena.check_records(refs)[3] == -1
+    b.arena.slab_fd(refs[0].slab)
+    assert swept == []
+    b.arena.usage()
+    assert swept == [now[0]]
+    b.arena.close()
+    a.arena.close()
+    monkeypatch.setenv("TLLM_GDS_KV_ROOT", shm_root)
+    monkeypatch.setenv("TLLM_GDS_KV_ARENA_BYTES", str(4 * a.file_size))
+    monkeypatch.setenv("TLLM_GDS_KV_DEADLINE_S", "300")
+    c = arena_mod.start_arena(BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True), engine, Settings.load_from())
+    assert c.release_grace_s == 600
+    c.close()
