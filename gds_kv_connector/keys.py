@@ -2,7 +2,8 @@
 
 Two blocks share a key only if everything that decides their bytes is equal: the pool
 fingerprint (model, KV dtype and geometry, format version, TP degree), the request's
-``cache_salt``, and every token from position 0 to the end of the block.  Chaining makes key
+``cache_salt``, its LoRA adapter and multimodal inputs (:func:`inputs_seed`), and every token from
+position 0 to the end of the block.  Chaining makes key
 ``i`` cover the whole prefix at the cost of hashing one block of tokens.  The ADP rank never
 enters a key: owners of one model share blocks.  The TP shard is not in the key either; it
 selects the shard's directory (see :func:`shard_fingerprint`), so one key travels in the
@@ -27,6 +28,7 @@ KEY_BYTES = 32
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 _DOMAIN_FP = b"gds-kv-connector/fingerprint/v1\0"
 _DOMAIN_SEED = b"gds-kv-connector/chain-seed/v1\0"
+_DOMAIN_INPUTS = b"gds-kv-connector/request-inputs/v1\0"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,16 @@ def chain_seed(fingerprint: bytes, cache_salt: str | int | None) -> bytes:
     else:  # surrogatepass: any str the runtime hands over is a salt, a lone surrogate too
         salt = b"\x01" + cache_salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(_DOMAIN_SEED + fingerprint + struct.pack("<I", len(salt)) + salt).digest()
+
+
+def inputs_seed(salt_seed: bytes, lora_task_id: int | None, mm_hashes: Sequence[int]) -> bytes:
+    """The chain seed of a request whose KV depends on more than its tokens and salt: a LoRA
+    adapter's (its task id: adapters of attention projections change K and V) or multimodal inputs'
+    (TensorRT-LLM's content hashes of them: other images behind the same placeholder tokens give
+    other KV).  ``salt_seed`` is :func:`chain_seed`'s; a request with neither keeps it unchanged."""
+    lora = b"\x00" if lora_task_id is None else b"\x01" + struct.pack("<Q", lora_task_id & 0xFFFFFFFFFFFFFFFF)
+    mm = struct.pack(f"<I{len(mm_hashes)}Q", len(mm_hashes), *(h & 0xFFFFFFFFFFFFFFFF for h in mm_hashes))
+    return hashlib.sha256(_DOMAIN_INPUTS + salt_seed + lora + mm).digest()
 
 
 def token_array(tokens: Sequence[int], start: int = 0, stop: int | None = None) -> np.ndarray:

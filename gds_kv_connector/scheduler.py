@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
-from .keys import base_fingerprint, chain_from_tokens, chain_seed
+from .keys import base_fingerprint, chain_from_tokens, chain_seed, inputs_seed
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
@@ -132,7 +132,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._prefilling: set[int] = set()
         self._peer: PeerInfo | None = None
         self._base_fp = b""
-        self._seeds: dict[str | int | None, bytes] = {}
+        self._seeds: dict[Any, bytes] = {}  # by salt, or (salt, adapter, input hashes)
+        self._opaque: set[int] = set()  # requests with inputs the keys cannot name (_request_inputs)
         self._lookup_pools: list[BlockPool] = []
         self._recency: RecencyLog | None = None
         self._reqs: dict[int, _Request] = {}
@@ -169,18 +170,32 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         """True when this process's worker is the only one that must see a save."""
         return not self.config.sharded_attention
 
-    def _state(self, request_or_id: Any, salt: str | int | None = None) -> _Request:
+    def _state(self, request_or_id: Any, salt: str | int | None = None) -> _Request | None:
+        """The request's state, made on first sight with its chain seed; None for a request whose
+        KV depends on inputs the keys cannot name (multimodal data without TensorRT-LLM's hashes of
+        it): such a request is neither matched nor saved (``_opaque``)."""
         rid = request_or_id if isinstance(request_or_id, int) else _request_id(request_or_id)
         st = self._reqs.get(rid)
         if st is None:
+            inputs = None
             if not isinstance(request_or_id, int):
                 salt = _cache_salt(request_or_id)
-            seed = self._seeds.get(salt)
+                inputs = _request_inputs(request_or_id)
+                if inputs is _OPAQUE:
+                    self._opaque.add(rid)
+                    return None
+            elif rid in self._opaque:
+                return None
+            key = salt if inputs is None else (salt, *inputs)
+            seed = self._seeds.get(key)
             if seed is None:
                 self._connect()
                 if len(self._seeds) >= _SEEDS_CAPACITY:
                     self._seeds.clear()
-                seed = self._seeds[salt] = chain_seed(self._base_fp, salt)
+                seed = chain_seed(self._base_fp, salt)
+                if inputs is not None:
+                    seed = inputs_seed(seed, *inputs)
+                self._seeds[key] = seed
             st = _Request(rid, seed)
             self._reqs[rid] = st
         return st
@@ -188,10 +203,16 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     # -- admission --------------------------------------------------------------------------------
     @traced("sched/match", "green")
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
-        if not self._load or getattr(request, "is_dummy_request", False):
+        if getattr(request, "is_dummy_request", False):
+            return 0, False
+        if not self._load:
+            if self._save:  # its seed from the request itself (salt, adapter, inputs), not a later report
+                self._state(request)
             return 0, False
         tpb = self._tpb
         st = self._state(request)
+        if st is None:
+            return 0, False
         if num_computed_tokens == 0 and not st.tokens and self._first_block_absent(request, st):
             return 0, False
         st.set_tokens(request.get_tokens(0), adopt=True)
@@ -341,6 +362,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         as fatal.  The process's only worker (TP 1, attention DP) also drops the queued ones now."""
         rid = _request_id(request)
         st = self._reqs.pop(rid, None)
+        self._opaque.discard(rid)
         self._prefilling.discard(rid)
         self._cancelled.pop(rid, None)
         self._unqueue_loads(rid)
@@ -404,6 +426,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 if not first:  # its earlier tokens and pages are unknown here (its state was dropped
                     continue   # by request_reset): keys of a suffix would name another prefix's KV
                 st = self._state(rd.request_id, _cache_salt(rd))
+                if st is None:  # opaque inputs: never saved
+                    continue
             if first and not st.reported:
                 if rd.new_tokens:
                     st.set_tokens(rd.new_tokens)  # a list of its own, extended in place below
@@ -496,6 +520,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         rid = _request_id(request)
         st = self._reqs.pop(rid, None)
         if st is None:
+            if self._opaque:
+                self._opaque.discard(rid)
             return False
         if self._cancelled:
             self._cancelled.pop(rid, None)
@@ -586,6 +612,28 @@ def _tail_tokens(request: Any, held: list[int], have: int, count: int | None) ->
     if held and get(0, have - 1) != held[-1]:
         return None
     return [get(0, pos) for pos in range(have, count)]
+
+
+_OPAQUE = ()  # _request_inputs' answer for inputs no key can name
+
+
+def _request_inputs(request: Any) -> tuple[int | None, tuple[int, ...]] | tuple[()] | None:
+    """What besides tokens and salt decides the request's KV: None when nothing does (its keys are
+    the plain chain's), (LoRA task id, multimodal content hashes flattened) when those do, and
+    ``_OPAQUE`` for multimodal data without TensorRT-LLM's hashes (``multimodal_hashes``), whose KV
+    no key here could tell apart from another image's behind the same placeholder tokens."""
+    lora = getattr(request, "lora_task_id", None)
+    if lora is None:
+        lora = getattr(request, "py_lora_task_id", None)
+    hashes = getattr(request, "multimodal_hashes", None)
+    flat: tuple[int, ...] = ()
+    if hashes:
+        flat = tuple(int(h) for group in hashes for h in (group if isinstance(group, (list, tuple)) else (group,)))
+    elif getattr(request, "py_multimodal_data", None) or getattr(request, "multimodal_embedding", None) is not None:
+        return _OPAQUE
+    if lora is None and not flat:
+        return None
+    return (None if lora is None else int(lora), flat)
 
 
 def _cache_salt(request: Any) -> str | int | None:
