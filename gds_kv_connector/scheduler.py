@@ -623,8 +623,6 @@ def _request_inputs(request: Any) -> tuple[int | None, tuple[int, ...]] | tuple[
     ``_OPAQUE`` for multimodal data without TensorRT-LLM's hashes (``multimodal_hashes``), whose KV
     no key here could tell apart from another image's behind the same placeholder tokens."""
     lora = getattr(request, "lora_task_id", None)
-    if lora is None:
-        lora = getattr(request, "py_lora_task_id", None)
     hashes = getattr(request, "multimodal_hashes", None)
     flat: tuple[int, ...] = ()
     if hashes:

@@ -49,6 +49,11 @@ class SimRequest:
     cache_salt: str | None = None
     device_hit_blocks: int = 0
     is_dummy_request: bool = False
+    # what TensorRT-LLM's LlmRequest also carries, None when unused: the connector reads them per request
+    lora_task_id: int | None = None
+    multimodal_hashes: list[list[int]] | None = None
+    py_multimodal_data: dict | None = None
+    multimodal_embedding: Any = None
     # executor state
     tokens: list[int] = field(default_factory=list)
     state: State = State.WAITING
