@@ -15,6 +15,8 @@ class EngineConfig:
     # The configured precision (model dtype, KV cache dtype, KV quantization), for pools whose
     # tensor is bytes (a V2 layout): fp16 and bf16 KV have equal block sizes and must not share keys.
     precision: str = "model=auto kv=auto kv_quant=none"
+    # NVFP4 KV keeps per-block scales in a pool of its own, which the connector does not move
+    kv_fp4: bool = False
 
     @property
     def sharded_attention(self) -> bool:
@@ -44,7 +46,9 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
             model = f"{model}@{revision}"
     if int(tpb) <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tpb}")
-    return EngineConfig(int(tpb), int(tp or 1), adp, model, _precision(llm_args, kv_cfg))
+    precision = _precision(llm_args, kv_cfg)
+    kv_part = precision.split(" ", 1)[1].lower()  # "kv=... kv_quant=...": the model dtype is not the KV's
+    return EngineConfig(int(tpb), int(tp or 1), adp, model, precision, "fp4" in kv_part)
 
 
 def _precision(llm_args: Any, kv_cfg: Any) -> str:

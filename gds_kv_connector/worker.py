@@ -11,7 +11,7 @@ from .capacity import CapacityGuard
 from .engines import make_engine
 from .fileops import FileOps
 from .keys import PoolGeometry, shard_fingerprint
-from .kv_layout import KvPool, pool_from_layout, pool_from_tensor
+from .kv_layout import KvPool, LayoutError, pool_from_layout, pool_from_tensor
 from .llm_config import read_llm_args
 from .local_peer import PeerInfo, register, unregister
 from .metrics import Snapshot, StatsPublisher
@@ -52,12 +52,23 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self._setup(pool_from_tensor(kv_cache_tensor))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
+        pages = getattr(layout, "tokens_per_block", None)
+        if isinstance(pages, int) and pages != self.config.tokens_per_block:
+            # keys cut every config.tokens_per_block tokens would name pages of another size: each
+            # page's bytes published under a shorter (or longer) prefix's key
+            raise LayoutError(f"the KV cache layout has {pages} tokens per block, but llm_args says "
+                              f"{self.config.tokens_per_block} (kv_cache_config.tokens_per_block): set it to "
+                              f"{pages}")
         self._setup(pool_from_layout(layout), from_layout=True)
 
     def _setup(self, kv: KvPool, from_layout: bool = False) -> None:
         if self.kv is not None:
             raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
         cfg = self.config
+        if cfg.kv_fp4:
+            raise LayoutError(f"gds-kv-connector: an NVFP4 KV cache ({cfg.precision}) keeps its block scales in a "
+                              "pool of their own, which the connector does not save or load: a loaded block would "
+                              "be read with another block's scales; use an FP8 or 16-bit KV cache")
         # A V2 layout's byte tensor does not say whether its KV is fp16 or bf16 (equal sizes): the
         # configured precision stands in for the dtype, so the two never share a fingerprint.  A
         # tensor handed to register_kv_caches keeps its own dtype, uint8 too (pools saved stay found).

@@ -334,3 +334,35 @@ def test_executor_splits_its_callback_time_by_callback(pool_env):
     assert times["request_finished"][0] == 2
     assert times["get_finished"][0] == st.iterations
     ex.worker.shutdown()
+
+
+def test_a_layout_of_another_page_size_than_llm_args_says_is_refused(pool_env):
+    """Keys cut every 16 tokens over pages of 32 would publish each page's bytes under the key of a
+    shorter prefix, which another prompt sharing only that prefix would load."""
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    layout = _Layout(torch.zeros((8, 2, 2, 1024), dtype=torch.uint8))
+    layout.tokens_per_block = 2 * SHAPE.tokens_per_block
+    with pytest.raises(LayoutError, match=f"layout has 32 tokens per block, but llm_args says 16"):
+        GdsKvConnectorWorker(llm_args).register_kv_cache_layout(layout)
+    layout.tokens_per_block = SHAPE.tokens_per_block
+    w = GdsKvConnectorWorker(llm_args)
+    w.register_kv_cache_layout(layout)
+    w.shutdown()
+
+
+@pytest.mark.parametrize("where", ["kv_dtype", "quant_algo"])
+def test_an_nvfp4_kv_cache_is_refused(pool_env, where):
+    """Its block scales live in a pool of their own: a loaded block would be read with whatever
+    scales its page's scale slot held."""
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    if where == "kv_dtype":
+        llm_args.kv_cache_config.dtype = "nvfp4"
+    else:
+        llm_args.quant_config = SimpleNamespace(kv_cache_quant_algo="NVFP4")
+    with pytest.raises(LayoutError, match="NVFP4 KV cache"):
+        GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
+    llm_args.dtype = "nvfp4-is-not-the-kv"  # the model's dtype is not the KV's
+    llm_args.kv_cache_config.dtype, llm_args.quant_config = "fp8", None
+    w = GdsKvConnectorWorker(llm_args)
+    w.register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
+    w.shutdown()
