@@ -93,6 +93,11 @@ class TransferManager:
         for _ in range(settings.transfer_threads):
             self._exec.submit(started.wait)
         started.wait()
+        # A runner that takes loads only, started for a load submitted while every transfer thread is
+        # writing a save batch (up to MERGE_BYTES each): the load would wait for one of them to end.
+        self._load_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdskv-load")
+        self._load_lane.submit(int).result()  # its thread started now, not in an iteration that needs it
+        self._saving = 0  # save batches running now (transfer threads that would not take a load)
         self._inflight: list[_Batch] = []  # in submission order, so by acceptance time
         self._pending: dict[int, int] = {}  # request id -> its batches in flight, of any kind
         self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
@@ -175,6 +180,8 @@ class TransferManager:
         self._inflight += batches
         self._queues[_QUEUE_OF[kind]].extend(batches)
         self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
+        if kind != "save" and self._saving >= threads:
+            self._load_lane.submit(self._run_queued, True)
         return batches
 
     def _within_backlog(self, groups: list[tuple[list[SaveOp], int]], payload: int) -> list[tuple[list[SaveOp], int]]:
@@ -218,11 +225,12 @@ class TransferManager:
         return kept
 
     # -- transfer threads -------------------------------------------------------------------------
-    def _run_queued(self) -> None:
+    def _run_queued(self, loads_only: bool = False) -> None:
         """A runner: take batches until none is left, from the first non-empty queue (loads before
-        saves); a cancelled one is skipped.  Several requests' ops are merged here, on the transfer
-        thread, not by the executor thread."""
-        queues, lock = self._queues, self._start_lock
+        saves), or with ``loads_only`` from the load queues (the load lane); a cancelled one is
+        skipped.  Several requests' ops are merged here, on the transfer thread, not by the
+        executor thread."""
+        queues, lock = (self._queues[:2] if loads_only else self._queues), self._start_lock
         while True:
             batch = _take(queues)
             if batch is None:
@@ -233,11 +241,18 @@ class TransferManager:
                     continue
                 batch.started = time.monotonic()
                 run = batch.run
-            fn = self._run_save if batch.kind == "save" else self._run_load
+                saving = batch.kind == "save"
+                if saving:
+                    self._saving += 1
+            fn = self._run_save if saving else self._run_load
             try:
                 future.set_result(fn(run[0] if len(run) == 1 else _Merged(run), batch.event, batch.deadline))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
+            finally:
+                if saving:
+                    with lock:
+                        self._saving -= 1
 
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
         with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
@@ -544,6 +559,7 @@ class TransferManager:
             except Exception:  # noqa: BLE001 - cancelled futures raise CancelledError
                 pass
         self._exec.shutdown(wait=stuck == 0, cancel_futures=True)
+        self._load_lane.shutdown(wait=stuck == 0, cancel_futures=True)
         if stuck == 0:
             self.engine.close()
         else:

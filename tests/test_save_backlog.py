@@ -212,3 +212,24 @@ def test_a_backlog_bound_below_one_block_is_refused_at_start_up(connector_pair, 
     monkeypatch.setenv("TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES", "1KiB")
     with pytest.raises(SettingsError, match="MAX_QUEUED_SAVE_BYTES=1024 is below one block"):
         connector_pair("tiny-backlog", (8, 1, 2, 1024), 4)
+
+
+def test_a_load_does_not_wait_for_saves_already_running(rig):
+    """Every transfer thread writing a save batch (up to 64 MiB each, slow storage): a synchronous
+    load, which holds up the forward, runs beside them on the load lane."""
+    r = rig(TLLM_GDS_KV_DEADLINE_S="5")
+    stored = [fh.key_of("beside", i) for i in range(2)]
+    views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
+    assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
+    a = r.save_op(1, "running", 1, first_block=0)
+    gate = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a], None)  # the rig's only transfer thread is now writing it
+    assert gate.started.wait(WAIT_S)
+    r.tm.submit_loads([LoadOp(10, tuple(stored), (10, 11), False)], None)
+    r.tm.wait_sync_loads()  # before: until the held write ended, here at the 5 s deadline (fatal)
+    for i, k in enumerate(stored):
+        assert r.kv.block_view(10 + i).numpy().tobytes() == fh.expected_payload(k)
+    assert not r.pool.contains(a.keys[0])  # the save was still being written all along
+    gate.release()
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1])
