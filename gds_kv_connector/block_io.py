@@ -13,6 +13,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from . import native
 from .engines.base import IoEngine, TransferItem
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
+
+if TYPE_CHECKING:
+    from .arena import SlotArena
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +150,7 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
         todo_views = views if every else map(views.__getitem__, todo)
         engine.copy_to_host(list(zip(map(HEADER_SIZE.__add__, addrs), todo_views)), arena.slot_bytes)
     except BaseException as exc:
-        for slab, slot in slots:
-            arena.release(slab, slot)
-        if not isinstance(exc, Exception):
-            raise
-        out.failed.extend((keys[i], _cause(exc)) for i in todo)
+        _give_slots_back(arena, slots, [keys[i] for i in todo], exc, out)
         return
     todo_keys = keys if every else [keys[i] for i in todo]
     todo_parents = parents if every else [parents[i] for i in todo]
@@ -159,6 +159,18 @@ def _save_to_arena(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents
     native.write_headers(addrs, pool.fingerprint, todo_keys, todo_parents,
                          sums, pool.payload_len, CHECKSUM_ALGO, pool.tokens_per_block, now)
     _publish_slots(pool, todo_keys, slots, now, out)
+
+
+def _give_slots_back(arena: SlotArena, slots: list[tuple[str, int]], failed_keys: list[bytes], exc: BaseException,
+                     out: SaveOutcome) -> None:
+    """A slot write that raised before any reference named its slots: every slot back to the arena
+    (else it is neither free nor used, lost to the arena for good) and every block counted failed;
+    an interrupt (not an Exception) goes on up once the slots are back."""
+    for slab, slot in slots:
+        arena.release(slab, slot)
+    if not isinstance(exc, Exception):
+        raise exc
+    out.failed.extend((k, _cause(exc)) for k in failed_keys)
 
 
 def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
@@ -184,11 +196,7 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
     try:
         errors = engine.write(items) if items else []
     except BaseException as exc:  # an engine that raises (staging registration, MemoryError): no slot written
-        for _, where in written:
-            arena.release(*where)
-        if not isinstance(exc, Exception):
-            raise
-        out.failed.extend((keys[i], _cause(exc)) for i, _ in written)
+        _give_slots_back(arena, [where for _, where in written], [keys[i] for i, _ in written], exc, out)
         return
     ok: list[tuple[int, tuple[str, int]]] = []
     for (i, where), err in zip(written, errors):
@@ -334,9 +342,9 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
             fd, nslots = arena.slab_fd(pin.slot.slab)
         except (OSError, FormatError, ValueError) as exc:
             arena.forget(pin.key)
-            # a slab goes only once no reference names it: one that names a missing slab can never
-            # load again, and left in place it would keep matching (as _repin_stale_slot for mapped slabs)
-            # (and a slab whose size or name is not a slab's never becomes one)
+            # a slab goes only once no reference names it, and one of a bad size or name never becomes a
+            # slab: a reference naming such a slab can never load again, and left in place it would keep
+            # matching (as _repin_stale_slot for mapped slabs)
             if pin.ino != 0 and isinstance(exc, (FileNotFoundError, FormatError, ValueError)):
                 pool.quarantine(pin.key, f"arena slab {pin.slot.slab}: {exc}", pin.ino)
             raise LoadFailure(pin.key, pin.path, f"arena slab {pin.slot.slab}: {exc}") from None
