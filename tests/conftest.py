@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated pool root per test and the `gpu` marker's skip rule."""
+"""Shared fixtures: an isolated pool root per test, connector pairs, gated transfer rigs, and the `gpu`
+marker's skip rule."""
 
 from __future__ import annotations
 
@@ -65,3 +66,20 @@ def native_impl(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(native, "_lib", None)
     return request.param
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """``make(**env) -> GatedRig``: a transfer manager over a fresh pool whose file operations the
+    test holds and releases (gated_ops), with TLLM_GDS_KV_* overrides; each closed at the end."""
+    from gated_ops import GatedRig
+
+    made = []
+
+    def make(**env):
+        r = GatedRig(str(tmp_path / f"pool{len(made)}"), **env)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.close()

@@ -117,6 +117,15 @@ class GatedRig:
             fh.fill(self.kv, first_block + i, k)
         return SaveOp(rid, tuple(keys), tuple([b""] * n), tuple(range(first_block, first_block + n)))
 
+    def running_save(self, rid: int, tag: str, n: int = 1, first_block: int = 0) -> tuple[SaveOp, Gate]:
+        """A save of ``n`` blocks submitted and held in the storage at its first write, so it is
+        running (on the rig's one transfer thread) and every batch behind it waits; its gate."""
+        op = self.save_op(rid, tag, n, first_block)
+        gate = self.ops.hold(op.keys[0])
+        self.tm.submit_saves([op], None)
+        assert gate.started.wait(WAIT_S)
+        return op, gate
+
     def poll(self, finished=(), loading=()) -> tuple[list[int], list[int]]:
         saved, loaded = self.tm.poll(list(finished), list(loading))
         self.reported += [("saved", rid) for rid in saved] + [("loaded", rid) for rid in loaded]

@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
 from gds_kv_connector import arena as arena_mod
 from gds_kv_connector.arena import SlotArena, start_arena
 from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save_blocks
@@ -23,7 +24,6 @@ from gds_kv_connector.pool_format import (REF_HEADER_SIZE, ZERO_KEY, FormatError
                                           parse_ref, parse_refs)
 from gds_kv_connector.settings import Settings, SettingsError
 
-PAYLOAD = 3 * 4096 + 512  # not page-aligned: slots still start on pages
 FP = hashlib.sha256(b"arena-test").digest()
 
 
@@ -83,27 +83,6 @@ def _pool(root: str, engine, slots: int, delay: float = 0.0, clock=time.monotoni
     pool.arena = _arena(pool, engine, slots, per_slab, delay, clock)
     pool.arena.start(background=False)
     return pool
-
-
-def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
-    return [hashlib.sha256(tag + bytes([i])).digest() for i in range(n)]
-
-
-def _data(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, PAYLOAD), dtype=torch.uint8, generator=g)
-
-
-def _load(pool: BlockPool, engine, keys: list[bytes]) -> torch.Tensor:
-    out = torch.zeros((len(keys), PAYLOAD), dtype=torch.uint8)
-    pins = pin_blocks(pool, keys)
-    try:
-        load_blocks(pool, engine, pins, [out[i] for i in range(len(keys))], verify=True, retries=0,
-                    deadline=time.monotonic() + 10)
-    finally:
-        for p in pins:
-            pool.unpin(p)
-    return out
 
 
 def test_save_load_and_share_between_owners(shm_root, engine):

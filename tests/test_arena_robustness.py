@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import gds_kv_connector.pool as pool_mod
+from arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
 from gds_kv_connector import arena as arena_mod
 from gds_kv_connector import native
 from gds_kv_connector.arena import SlotArena, slab_host_is_this
-from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.block_io import save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY
 from gds_kv_connector.slab_gc import remove_orphan_slabs
 
-PAYLOAD = 3 * 4096 + 512
 FP = hashlib.sha256(b"arena-robustness-test").digest()
 LATER = 120.0  # seconds past the age under which gc leaves a slab alone (arena.FRESH_S)
 
@@ -74,31 +74,11 @@ def _pool(root: str, mapper, slots: int, mapped: bool = True, per_slab: int = 2,
     return pool
 
 
-def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
-    return [hashlib.sha256(tag + bytes([i])).digest() for i in range(n)]
-
-
-def _data(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, PAYLOAD), dtype=torch.uint8, generator=g)
-
-
 def _save(pool: BlockPool, engine, keys: list[bytes], seed: int) -> torch.Tensor:
     d = _data(len(keys), seed)
     assert save_blocks(pool, engine, keys, [ZERO_KEY] * len(keys), [d[i] for i in range(len(keys))]).published \
         == len(keys)
     return d
-
-
-def _load(pool: BlockPool, engine, keys: list[bytes]) -> torch.Tensor:
-    out = torch.zeros((len(keys), PAYLOAD), dtype=torch.uint8)
-    pins = pin_blocks(pool, keys)
-    try:
-        load_blocks(pool, engine, pins, [out[i] for i in range(len(keys))], verify=True, retries=0,
-                    deadline=time.monotonic() + 10)
-    finally:
-        pool.unpin_all(pins)
-    return out
 
 
 def _lock_is_free(path: str) -> bool:
@@ -194,15 +174,19 @@ def test_a_slab_gc_removed_is_let_go_after_a_grace_for_copies_in_flight(shm_root
     b.arena.close()
 
 
+def _owner_and_reader(root: str, engine, now: list[float]) -> tuple[BlockPool, list[bytes], list, BlockPool]:
+    """An owner that saved two blocks, the references to their slots, and a reader on clock ``now``."""
+    a = _pool(root, engine, 2)
+    keys = _keys(2)
+    _save(a, engine, keys, 2)
+    return a, keys, [a.arena.cached_ref(k) for k in keys], _pool(root, engine, 2, clock=lambda: now[0])
+
+
 def test_a_copy_that_took_a_removed_slab_s_addresses_still_reads_them(shm_root, engine):
     """The addresses check_records handed out before the slab left the cache stay mapped, with the
     slot bytes they had, through the grace (an unmapped range would crash the copy)."""
     now = [1000.0]
-    a = _pool(shm_root, engine, 2)
-    keys = _keys(2)
-    _save(a, engine, keys, 2)
-    refs = [a.arena.cached_ref(k) for k in keys]
-    b = _pool(shm_root, engine, 2, clock=lambda: now[0])
+    a, keys, refs, b = _owner_and_reader(shm_root, engine, now)
     addrs, fields, _, bad, _ = b.arena.check_records(refs)  # a load took the addresses ...
     assert bad == -1
     a.arena.close()
@@ -358,11 +342,7 @@ def test_loads_never_sweep_and_the_grace_outlasts_a_load_s_deadline(shm_root, en
     from gds_kv_connector.settings import Settings
 
     now = [1000.0]
-    a = _pool(shm_root, engine, 2)
-    keys = _keys(2)
-    _save(a, engine, keys, 2)
-    refs = [a.arena.cached_ref(k) for k in keys]
-    b = _pool(shm_root, engine, 2, clock=lambda: now[0])
+    a, _, refs, b = _owner_and_reader(shm_root, engine, now)
     swept = []
     monkeypatch.setattr(b.arena, "_sweep", lambda: swept.append(now[0]))
     now[0] += arena_mod.SWEEP_S

@@ -22,7 +22,7 @@ import torch
 
 pytest.register_assert_rewrite("fault_helpers", "gated_ops")
 import fault_helpers as fh  # noqa: E402
-from gated_ops import WAIT_S, GatedOps, GatedRig  # noqa: E402
+from gated_ops import WAIT_S, GatedOps  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.metadata import LoadOp  # noqa: E402
@@ -33,31 +33,9 @@ from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput  # noqa: E4
 pytest_plugins = ["fault_helpers"]
 
 
-@pytest.fixture
-def rig(tmp_path):
-    made = []
-
-    def make(**env):
-        r = GatedRig(str(tmp_path / f"pool{len(made)}"), **env)
-        made.append(r)
-        return r
-    yield make
-    for r in made:
-        r.close()
-
-
-def _blocked(r, rid: int = 1, first_block: int = 0):
-    """A save of request ``rid`` running and held in the storage: every batch behind it is queued."""
-    op = r.save_op(rid, "blocker", 1, first_block)
-    gate = r.ops.hold(op.keys[0])
-    r.tm.submit_saves([op], None)
-    assert gate.started.wait(WAIT_S)
-    return op, gate
-
-
 def test_queued_saves_of_a_reset_request_are_skipped_and_batch_mates_still_saved(rig):
     r = rig()
-    a, gate = _blocked(r)
+    a, gate = r.running_save(1, "blocker")
     b = r.save_op(2, "reset", 2, first_block=1)
     c = r.save_op(3, "mate", 1, first_block=3)
     r.tm.submit_saves([b, c], None)  # one batch shared by requests 2 and 3
@@ -80,7 +58,7 @@ def test_queued_saves_of_a_reset_request_are_skipped_and_batch_mates_still_saved
 
 def test_a_running_save_of_a_reset_request_is_waited_for(rig):
     r = rig()
-    a, gate = _blocked(r)
+    a, gate = r.running_save(1, "blocker")
     threading.Timer(0.05, gate.release).start()
     r.tm.fence([1])
     assert r.pool.contains(a.keys[0])  # the fence returned only once the save had finished
@@ -92,7 +70,7 @@ def test_a_running_save_of_a_reset_request_is_waited_for(rig):
 def test_a_save_still_running_at_its_deadline_fails_the_reset(rig):
     """Worse than a crash: the save would read pages the next forward fills with another request's KV."""
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.05", TLLM_GDS_KV_DEADLINE_S="0.3")
-    _, gate = _blocked(r, rid=7)
+    _, gate = r.running_save(7, "blocker")
     with pytest.raises(ConnectorFailure, match="request 7 was reset while its save .* still running at its 0.3s"):
         r.tm.fence([7])
     gate.release()
@@ -103,7 +81,7 @@ def test_a_save_slower_than_the_control_grace_is_waited_for_not_fatal(rig):
     import threading
 
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.05")
-    a, gate = _blocked(r, rid=7)
+    a, gate = r.running_save(7, "blocker")
     threading.Timer(0.3, gate.release).start()
     r.tm.fence([7])  # returns once the save is done, past the grace
     assert r.pool.contains(a.keys[0])
@@ -118,7 +96,7 @@ def test_a_queued_load_of_a_reset_request_never_writes_its_old_pages(rig, is_asy
     stored = [fh.key_of("reset-load", i) for i in range(2)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
     assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
-    _, gate = _blocked(r)
+    _, gate = r.running_save(1, "blocker")
     r.tm.submit_loads([LoadOp(5, tuple(stored), (10, 11), is_async)], None)
     if is_async:
         r.poll(loading=[5])

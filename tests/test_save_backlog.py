@@ -17,7 +17,7 @@ import pytest
 
 pytest.register_assert_rewrite("fault_helpers", "gated_ops")
 import fault_helpers as fh  # noqa: E402
-from gated_ops import WAIT_S, GatedRig  # noqa: E402
+from gated_ops import WAIT_S  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker, transfers  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.fileops import FileOps  # noqa: E402
@@ -28,19 +28,6 @@ from gds_kv_connector.transfers import ConnectorFailure  # noqa: E402
 
 pytest_plugins = ["fault_helpers"]
 DEADLINE = 1.0
-
-
-@pytest.fixture
-def rig(tmp_path):
-    made = []
-
-    def make(**env):
-        r = GatedRig(str(tmp_path / f"pool{len(made)}"), **env)
-        made.append(r)
-        return r
-    yield make
-    for r in made:
-        r.close()
 
 
 @pytest.fixture
@@ -68,10 +55,7 @@ def _settled(r, batch_index: int = 0) -> None:
 
 def test_a_save_that_never_started_is_dropped_at_its_deadline_and_its_request_reported(rig, clock):
     r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
-    a = r.save_op(1, "late", 1, first_block=0)
-    gate = r.ops.hold(a.keys[0])
-    r.tm.submit_saves([a], None)
-    assert gate.started.wait(WAIT_S)
+    a, gate = r.running_save(1, "late")
     b = r.save_op(2, "late", 2, first_block=1)
     r.tm.submit_saves([b], None)  # queued behind a, which is stuck in the storage
     assert r.poll(finished=[2]) == ([], [])
@@ -94,10 +78,7 @@ def test_a_running_save_fails_the_process_only_a_deadline_after_it_started(rig, 
     """Its request's pages cannot be freed while the write reads them, so a write stuck that long
     is fatal; the time it spent queued does not count against it."""
     r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
-    a = r.save_op(1, "stuck", 1, first_block=0)
-    gate_a = r.ops.hold(a.keys[0])
-    r.tm.submit_saves([a], None)
-    assert gate_a.started.wait(WAIT_S)
+    a, gate_a = r.running_save(1, "stuck")
     b = r.save_op(2, "stuck", 1, first_block=1)
     gate_b = r.ops.hold(b.keys[0])
     r.tm.submit_saves([b], None)
@@ -116,10 +97,7 @@ def test_a_running_save_fails_the_process_only_a_deadline_after_it_started(rig, 
 def test_saves_beyond_the_backlog_bound_are_dropped_and_each_request_is_reported_once(rig):
     payload = fh.PAYLOAD_LEN
     r = rig(TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES=str(3 * payload))
-    a = r.save_op(1, "backlog", 2, first_block=0)
-    gate = r.ops.hold(a.keys[0])
-    r.tm.submit_saves([a], None)
-    assert gate.started.wait(WAIT_S)
+    a, gate = r.running_save(1, "backlog", 2)
     b = r.save_op(2, "backlog", 2, first_block=2)
     c = r.save_op(3, "backlog", 1, first_block=4)
     r.tm.submit_saves([b, c], None)  # room for one block: b's first (a block needs its prefix), not c
@@ -146,10 +124,7 @@ def test_loads_overtake_queued_saves(rig):
     stored = [fh.key_of("overtake", i) for i in range(4)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
     assert save_blocks(r.pool, r.engine, stored, [b""] * 4, views).published == 4
-    a = r.save_op(1, "queued", 1, first_block=0)
-    gate_a = r.ops.hold(a.keys[0])
-    r.tm.submit_saves([a], None)
-    assert gate_a.started.wait(WAIT_S)
+    a, gate_a = r.running_save(1, "queued")
     b = r.save_op(2, "queued", 2, first_block=1)
     gate_b = r.ops.hold(b.keys[0])
     r.tm.submit_saves([b], None)
@@ -221,10 +196,7 @@ def test_a_load_does_not_wait_for_saves_already_running(rig):
     stored = [fh.key_of("beside", i) for i in range(2)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
     assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
-    a = r.save_op(1, "running", 1, first_block=0)
-    gate = r.ops.hold(a.keys[0])
-    r.tm.submit_saves([a], None)  # the rig's only transfer thread is now writing it
-    assert gate.started.wait(WAIT_S)
+    a, gate = r.running_save(1, "running")  # the rig's only transfer thread is now writing it
     r.tm.submit_loads([LoadOp(10, tuple(stored), (10, 11), False)], None)
     r.tm.wait_sync_loads()  # before: until the held write ended, here at the 5 s deadline (fatal)
     for i, k in enumerate(stored):

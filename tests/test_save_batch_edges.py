@@ -18,17 +18,17 @@ import time
 import pytest
 import torch
 
+from arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
 from gds_kv_connector import block_io
 from gds_kv_connector import pool as pool_mod
 from gds_kv_connector.arena import SlotArena
-from gds_kv_connector.block_io import LoadFailure, load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.block_io import LoadFailure, save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.pool import (_HOST, STALE_FOREIGN_TMP_S, TMP_PREFIX, TMP_YOUNG_S, BlockPool, _tmp_is_stale,
                                    host_tag)
 from gds_kv_connector.pool_format import (REF_ENTRY_SIZE, REF_HEADER_SIZE, ZERO_KEY, SlotRef, pack_refs,
                                           parse_refs)
 
-PAYLOAD = 3 * 4096 + 512
 FP = hashlib.sha256(b"save-batch-edges").digest()
 
 
@@ -68,26 +68,6 @@ def owners():
     yield make
     for pool in made:
         pool.arena.close()
-
-
-def _keys(n: int, tag: bytes = b"k") -> list[bytes]:
-    return [hashlib.sha256(tag + bytes([i])).digest() for i in range(n)]
-
-
-def _data(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, PAYLOAD), dtype=torch.uint8, generator=g)
-
-
-def _load(pool: BlockPool, engine, keys: list[bytes]) -> torch.Tensor:
-    out = torch.zeros((len(keys), PAYLOAD), dtype=torch.uint8)
-    pins = pin_blocks(pool, keys)
-    try:
-        load_blocks(pool, engine, pins, [out[i] for i in range(len(keys))], verify=True, retries=0,
-                    deadline=time.monotonic() + 10)
-    finally:
-        pool.unpin_all(pins)
-    return out
 
 
 def _as_another_owner(pool: BlockPool, keys: list[bytes]) -> None:

@@ -39,7 +39,7 @@ class Trimming(ReferenceExecutor):
             honoured = min(matched, self.honour_blocks * tpb)
             if honoured < matched and self.when == "before":
                 self.sched.cancel_load(req, honoured, matched)
-            self.sched.update_state_after_alloc(req, list(req.block_ids))
+            self.sched.update_state_after_alloc(req, self._allocated(req))
             if honoured < matched and self.when == "after":
                 self.sched.cancel_load(req, honoured, matched)
             req.pos, req.external, req.load_async = honoured, honoured, False
@@ -47,6 +47,10 @@ class Trimming(ReferenceExecutor):
             self.stats.loaded_tokens += honoured
             req.state = State.CONTEXT
         return False
+
+    def _allocated(self, req):
+        """The page ids update_state_after_alloc is given: all of the request's."""
+        return list(req.block_ids)
 
 
 def _run(ex_cls, prompt, rid, premature=None, **kw):
@@ -171,23 +175,10 @@ class ShortAllocation(Trimming):
     allocation, which then covers only the honoured head and the first chunk (fewer pages than the
     offer; TensorRT-LLM's test_offer_is_handed_back_when_pages_run_out)."""
 
-    def _admit(self):
-        tpb = self.cfg.shape.tokens_per_block
-        while self.waiting:
-            req = self.waiting.popleft()
-            need = -(-len(req.prompt) // tpb)
-            req.block_ids = [self.free.popleft() for _ in range(need)]
-            req.hashes.extend_to(req.tokens, len(req.prompt))
-            matched, _ = self.sched.get_num_new_matched_tokens(req, 0)
-            honoured = min(matched, self.honour_blocks * tpb)
-            if honoured < matched:
-                self.sched.cancel_load(req, honoured, matched)
-            self.sched.update_state_after_alloc(req, req.block_ids[:self.honour_blocks + 1])
-            req.pos, req.external, req.load_async = honoured, honoured, False
-            req.verified_blocks = 0
-            self.stats.loaded_tokens += honoured
-            req.state = State.CONTEXT
-        return False
+    when = "before"
+
+    def _allocated(self, req):
+        return req.block_ids[:self.honour_blocks + 1]
 
 
 @pytest.mark.parametrize("honour", [0, 1])
