@@ -19,7 +19,7 @@ import torch
 
 from .checksum import CHECKSUM_ALGO
 from . import native
-from .engines.base import IoEngine, TransferItem
+from .engines.base import InTime, IoEngine, TransferItem, WriteExpired
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
 
@@ -43,6 +43,7 @@ class SaveOutcome:
     failed: list[tuple[bytes, str]] = field(default_factory=list)  # (key, cause)
     bytes_written: int = 0
     arena_fallback: int = 0  # saved as block files because the arena had no free slot
+    expired: int = 0  # not written: the save's deadline passed before their writes could start
 
 
 class LoadFailure(RuntimeError):
@@ -55,8 +56,10 @@ class LoadFailure(RuntimeError):
 
 
 def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
-                views: list[torch.Tensor]) -> SaveOutcome:
-    """Publish each (key, view) not yet in the pool; ``parents[i]`` is the key of the block before."""
+                views: list[torch.Tensor], in_time: InTime | None = None) -> SaveOutcome:
+    """Publish each (key, view) not yet in the pool; ``parents[i]`` is the key of the block before.
+    With ``in_time``, blocks whose file write has not started once it returns False are left out
+    (``expired``): a save stops between blocks at its deadline instead of holding its pages."""
     out = SaveOutcome()
     if pool.arena is not None:
         # Only the in-memory index, no stat per key: a key published meanwhile loses at link(2) and
@@ -74,9 +77,12 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     if pool.arena is not None:
         slots = pool.arena.alloc(len(todo))
         if slots:
-            save = _save_to_arena if pool.arena.mapped else _save_to_slab_files
-            save(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots, now,
-                           out)
+            if pool.arena.mapped:  # a copy into host memory: nothing slow enough to stop
+                _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots,
+                               now, out)
+            else:
+                _save_to_slab_files(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)],
+                                    slots, now, out, in_time)
             todo, sums = todo[len(slots):], sums[len(slots):]
             if not todo:
                 return out
@@ -94,12 +100,12 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
             opened.append((i, fd, tmp))
             packed.append(header.pack())
         errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i], raw)
-                               for (i, fd, _), raw in zip(opened, packed)])
+                               for (i, fd, _), raw in zip(opened, packed)], in_time)
         while opened:
             (i, fd, tmp), err = opened.pop(0), errors.pop(0)
             if err is not None:
                 pool.discard_tmp(fd, tmp)
-                out.failed.append((keys[i], _cause(err)))
+                _count_failed(out, keys[i], err)
                 continue
             try:
                 if pool.publish(fd, tmp, keys[i]):
@@ -175,7 +181,7 @@ def _give_slots_back(arena: SlotArena, slots: list[tuple[str, int]], failed_keys
 
 def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
                         views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
-                        now: int, out: SaveOutcome) -> None:
+                        now: int, out: SaveOutcome, in_time: InTime | None) -> None:
     """Slabs on disk: each slot's header and payload in one write at its offset (the engine joins
     adjacent slots into larger I/Os), then one reference file per slab.  A slot whose write failed
     is freed and its block counted failed."""
@@ -194,7 +200,7 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
         items.append(TransferItem(fd, arena.payload_offset(slot), views[i], header.pack()))
         written.append((i, (slab, slot)))
     try:
-        errors = engine.write(items) if items else []
+        errors = engine.write(items, in_time) if items else []
     except BaseException as exc:  # an engine that raises (staging registration, MemoryError): no slot written
         _give_slots_back(arena, [where for _, where in written], [keys[i] for i, _ in written], exc, out)
         return
@@ -204,7 +210,7 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
             ok.append((i, where))
         else:
             arena.release(*where)
-            out.failed.append((keys[i], _cause(err)))
+            _count_failed(out, keys[i], err)
     if pool.fsync:  # one fsync per slab written, before any reference names its slots
         unsynced: dict[str, OSError] = {}
         for slab in {where[0] for _, where in ok}:
@@ -311,7 +317,7 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
     # Slots on disk are always verified: a slot reused while it was read shows as a payload that
     # does not match the header read with it (see arena.py).
     if verify or (slot_pins and not mapped_pins):
-        sums = engine.checksums(views)
+        sums = engine.checksums(views, load=True)
         if sums == expected:  # one C comparison; the loop below only names the first mismatch
             return len(pins) * pool.payload_len
         for pin, want, got in zip(pins, expected, sums):
@@ -451,6 +457,13 @@ def _check_slots(pool: BlockPool, pins: list[Pin]) -> tuple[list[int], bytes, li
         pin.slot, pin.ino = fresh.slot, fresh.ino
         lo += bad  # check this pin again at its fresh location, then the rest
     return addrs, b"".join(fields), sums
+
+
+def _count_failed(out: SaveOutcome, key: bytes, err: BaseException) -> None:
+    if isinstance(err, WriteExpired):
+        out.expired += 1
+    else:
+        out.failed.append((key, _cause(err)))
 
 
 def _cause(exc: BaseException) -> str:

@@ -103,8 +103,9 @@ SPECS: tuple[SettingSpec, ...] = (
                 "registered host staging, then one O_DIRECT read or write per file on the I/O threads) or "
                 "kvikio (KvikIO's POSIX path, a CuFile and bounce buffer per file).",
                 _one_of("staged", "kvikio")),
-    SettingSpec("io_threads", 16, int, "Threads moving bytes (POSIX engine pool size, the staged path's "
-                "O_DIRECT reads and writes, KVIKIO_NTHREADS for KvikIO).",
+    SettingSpec("io_threads", 16, int, "Threads moving bytes: the POSIX engine's and the staged path's "
+                "reads and writes each have this many (a load never queues behind writes), KvikIO's "
+                "KVIKIO_NTHREADS.",
                 lambda v: None if 1 <= v <= 256 else "must be 1..256"),
     SettingSpec("transfer_threads", 4, int, "Threads driving transfer batches (event wait, checksum, "
                 "publish).", lambda v: None if 1 <= v <= 64 else "must be 1..64"),
@@ -112,9 +113,11 @@ SPECS: tuple[SettingSpec, ...] = (
                 "(the request is parked); smaller ones complete before the first layer runs.", _non_negative),
     SettingSpec("deadline_s", 60.0, float, "Connector-side deadline for one transfer batch. A load must "
                 "complete within it from acceptance, or the process fails. A save that has not started "
-                "within it is dropped (counted), and one that is still writing this long after it started "
-                "fails the process while its finished request waits for it (its pages cannot be freed "
-                "before the write ends). Keep it well under TensorRT-LLM's transfer timeout.", _positive),
+                "within it is dropped (counted); one still writing this long after it started stops between "
+                "blocks (the rest dropped, counted), and fails the process only if the write in flight then "
+                "has not returned TLLM_GDS_KV_CONTROL_GRACE_S later while its finished request waits (its "
+                "pages cannot be freed before the write ends). Keep it well under TensorRT-LLM's transfer "
+                "timeout.", _positive),
     SettingSpec("max_queued_save_bytes", 4 << 30, parse_size, "Bytes of saves accepted and not yet done "
                 "(queued or being written) per worker; saves beyond it are dropped (counted), never queued. "
                 "It bounds the KV pages finished requests hold while their saves wait, and how long a save "

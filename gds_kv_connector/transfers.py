@@ -65,6 +65,7 @@ class _Batch:
     event: Any
     deadline: float
     started: float = 0.0  # when a transfer thread took it (0 until then)
+    stopped: bool = False  # a running save whose every request was reset: it stops between blocks
 
     @property
     def shared(self) -> bool:
@@ -244,9 +245,14 @@ class TransferManager:
                 saving = batch.kind == "save"
                 if saving:
                     self._saving += 1
-            fn = self._run_save if saving else self._run_load
+            op = run[0] if len(run) == 1 else _Merged(run)
             try:
-                future.set_result(fn(run[0] if len(run) == 1 else _Merged(run), batch.event, batch.deadline))
+                if saving:  # its deadline counts from its start (its time queued was the storage's, not its own)
+                    end = batch.started + self.settings.deadline_s
+                    future.set_result(self._run_save(op, batch.event,
+                                                     lambda: not batch.stopped and time.monotonic() < end))
+                else:
+                    future.set_result(self._run_load(op, batch.event, batch.deadline))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
             finally:
@@ -270,11 +276,11 @@ class TransferManager:
                     exc.request_id = op.owner_of(exc.key)
                 raise
 
-    def _run_save(self, op: SaveOp | _Merged, event: Any, deadline: float) -> SaveOutcome:
+    def _run_save(self, op: SaveOp | _Merged, event: Any, in_time: Callable[[], bool]) -> SaveOutcome:
         with trace_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
             _wait_event(event)
             views = self.kv.block_views(op.block_ids)
-            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views)
+            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time)
             if self._on_saved is not None and out.published:
                 self._on_saved(out.published * self.pool.file_size)
             return out
@@ -401,10 +407,12 @@ class TransferManager:
 
         A save that has not started by then is dropped: saves are best-effort, and a queued one only
         holds its finished request's pages (TensorRT-LLM frees them once the request is reported).
-        A load, or a save still writing a deadline after it started, fails the first request waited
-        on (finishing or loading) that rides in it.  A running save is not dropped: its request's
-        pages can be freed only once nothing reads them, TensorRT-LLM's own transfer timeout would
-        fail the process later anyway, and this failure names the file."""
+        A running save stops between blocks at its deadline (its blocks not written yet are dropped,
+        counted), so slow storage ends it a write later.  A load, or a save whose write in flight at
+        its deadline has still not returned the control grace after it, fails the first request
+        waited on (finishing or loading) that rides in it: a running write cannot be dropped, its
+        request's pages can be freed only once nothing reads them, TensorRT-LLM's own transfer
+        timeout would fail the process later anyway, and this failure names the file."""
         limit = self.settings.deadline_s
         for batch in self._inflight:
             if now - batch.accepted <= limit:
@@ -417,14 +425,15 @@ class TransferManager:
                     self.stats.add("save_blocks_dropped_deadline", sum(len(op.keys) for op in batch.run))
                     continue
                 since = batch.started  # running; 0 while the thread that took it is still starting it
-                if not since or now - since <= limit:
+                if not since or now - since <= limit + self.settings.control_grace_s:
                     continue
+                kind, grace = "save", self.settings.control_grace_s
             else:
-                since = batch.accepted
+                since, kind, grace = batch.accepted, "load", 0.0
             for op in batch.run:
                 rid = op.request_id
                 if rid in self._finishing or rid in self._loading:
-                    self._check_deadline(rid, "load" if batch.kind != "save" else "save", since, now, op.keys[0])
+                    self._check_deadline(rid, kind, since, now, op.keys[0], grace)
 
     def _account_save(self, batch: _Batch, cancelled: bool, exc: BaseException | None) -> None:
         """Count a completed save batch's outcome (its future's, read once by the caller)."""
@@ -438,6 +447,15 @@ class TransferManager:
         self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
                             save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
+        if batch.stopped:
+            self.stats.add("fenced_blocks_skipped", out.expired)
+        elif out.expired:
+            self.stats.add("save_blocks_dropped_deadline", out.expired)
+        if out.expired and not batch.stopped and "expired" not in self._causes_logged:
+            self._causes_logged.add("expired")
+            log.warning("gds-kv-connector: a save batch stopped at its %.1fs deadline with %d blocks unwritten "
+                        "(storage slower than the KV is produced); serving continues, further drops are only "
+                        "counted (save_blocks_dropped_deadline)", self.settings.deadline_s, out.expired)
         for key, cause in out.failed:
             self._note_save_failure(cause, batch, self.pool.path_for(key), key)
 
@@ -449,12 +467,14 @@ class TransferManager:
             log.warning("gds-kv-connector: dropping saves that fail with %s (first: request %d, %s); "
                         "serving continues, further %s failures are only counted", cause, rid, detail, cause)
 
-    def _check_deadline(self, rid: int, kind: str, since: float, now: float, first_key: bytes | None) -> None:
-        if now - since <= self.settings.deadline_s:
+    def _check_deadline(self, rid: int, kind: str, since: float, now: float, first_key: bytes | None,
+                        grace: float = 0.0) -> None:
+        if now - since <= self.settings.deadline_s + grace:
             return
         where = self.pool.path_for(first_key) if first_key else "(no transfer was ever submitted for it)"
+        late = f" and a write in flight then has not returned {grace:g}s later" if grace else ""
         raise ConnectorFailure(f"gds-kv-connector: {kind} of request {rid} exceeded its "
-                               f"{self.settings.deadline_s:.1f}s deadline (started {now - since:.1f}s ago; "
+                               f"{self.settings.deadline_s:.1f}s deadline{late} (started {now - since:.1f}s ago; "
                                f"first file {where})")
 
     def _load_failure(self, rid: int, exc: BaseException) -> ConnectorFailure:
@@ -472,11 +492,12 @@ class TransferManager:
 
         V2's ``request_reset``: the requests' pages were released, and the next forward may write
         another request's KV into them.  Their transfers not started yet are skipped (their ops are
-        taken out of shared batches, whose other requests' ops still run); those already moving
-        bytes are waited for, up to their deadline (a running save's from its start, a load's from
-        its acceptance: where the next poll would fail the process anyway), so storage that is slow,
-        not stuck, costs the executor a wait (logged once it passes the control grace), not the
-        process.  One still running then raises ConnectorFailure, fatal to the process: a save
+        taken out of shared batches, whose other requests' ops still run); a running save of theirs
+        alone stops between blocks; those already moving bytes are waited for, up to their deadline
+        (a running save's from its start, plus the control grace for the write in flight when it
+        stopped between blocks; a load's from its acceptance: where the next poll would fail the
+        process anyway), so storage that is slow, not stuck, costs the executor a wait (logged once
+        it passes the control grace), not the process.  One still running then raises ConnectorFailure, fatal to the process: a save
         reading pages that another request overwrites would publish that request's KV under these
         requests' keys, and a load would write into another request's KV, silently wrong answers
         either way, which is worse than a crash.
@@ -499,6 +520,8 @@ class TransferManager:
                     continue
                 if batch.future.running():
                     running.append(batch)
+                    if batch.kind == "save" and all(op.request_id in rids for op in run):
+                        batch.stopped = True  # the blocks it has not begun to write are not waited for
                     continue
                 keep = [op for op in run if op.request_id not in rids]
                 skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)
@@ -512,22 +535,24 @@ class TransferManager:
         grace, limit = self.settings.control_grace_s, self.settings.deadline_s
         t0 = time.monotonic()
         for batch in running:
-            since = batch.started if batch.kind == "save" and batch.started else batch.accepted
+            saving = batch.kind == "save" and batch.started
+            # a save stops between blocks at its deadline: its write in flight then gets the grace to return
+            end = batch.started + limit + grace if saving else batch.accepted + limit
             try:
-                batch.future.exception(timeout=min(grace, max(since + limit - time.monotonic(), 0.0)))
+                batch.future.exception(timeout=min(grace, max(end - time.monotonic(), 0.0)))
             except TimeoutError:
                 log.warning("gds-kv-connector: a reset request's %s of %d bytes is still running after the "
                             "%.1fs control grace; the executor waits for it, until its deadline", batch.kind,
                             batch.nbytes, grace)
                 try:
-                    batch.future.exception(timeout=max(since + limit - time.monotonic(), 0.0))
+                    batch.future.exception(timeout=max(end - time.monotonic(), 0.0))
                 except TimeoutError:
                     reset = ", ".join(str(rid) for rid in sorted(rids & {op.request_id for op in batch.run}))
+                    when = f"{grace:g}s after its {limit:.1f}s deadline" if saving else f"at its {limit:.1f}s deadline"
                     raise ConnectorFailure(
                         f"gds-kv-connector: request {reset} was reset while its {batch.kind} of {batch.nbytes} "
-                        f"bytes (first file {self.pool.path_for(batch.run[0].keys[0])}) was still running at its "
-                        f"{limit:.1f}s deadline: its pages may now be another request's, and that transfer "
-                        "would move the wrong KV") from None
+                        f"bytes (first file {self.pool.path_for(batch.run[0].keys[0])}) was still running {when}: "
+                        "its pages may now be another request's, and that transfer would move the wrong KV") from None
         if running:
             self.stats.add("fence_wait_us", int(1e6 * (time.monotonic() - t0)))
         self._settle_done()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import os
 import time
 import zlib
@@ -536,6 +537,25 @@ def test_slab_names_fit_the_reference_field_with_a_long_hostname(shm_root, engin
     assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     assert torch.equal(_load(a, engine, keys), d)
     a.arena.close()
+
+
+def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expired(shm_root, engine, slab_mode):
+    """A save past its deadline stops between blocks: on disk slabs the slots left unwritten go back
+    to the arena and count as expired, not failed; mapped slots are a memory copy, never stopped."""
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+    pool.arena = _arena(pool, engine, 8, 8, 0.0)
+    pool.arena.start(background=False)
+    keys, d = _keys(5), _data(5, 13)
+    calls = itertools.count()
+    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 5, [d[i] for i in range(5)], lambda: next(calls) < 2)
+    written = 5 if slab_mode == "mapped" else 2
+    assert (out.published, out.expired, out.failed) == (written, 5 - written, [])
+    present = [k for k in keys if pool.contains(k)]
+    assert len(present) == written
+    u = pool.arena.usage()
+    assert u["used_slots"] == written and u["ready_slots"] == 8 - written
+    assert torch.equal(_load(pool, engine, present), d[[keys.index(k) for k in present]])
+    pool.arena.close()
 
 
 def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine):

@@ -232,6 +232,8 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2"], '"create_tmp"'),
     ("file_steps.py", ["--block", "64KiB", "--total", "4MiB", "--io-threads", "2", "--arena", "16MiB"],
      '"publish_refs"'),
+    ("load_under_saves.py", ["--block", "64KiB", "--loads", "3", "--save-limit", "64MiB", "--io-threads", "2"],
+     '"median_ratio"'),
     ("callback_totals.py", ["--runs", "1"], "warm:get_num_new_matched_tokens"),
     ("long_request.py", ["--blocks", "64", "--requests", "2"], "build_connector_meta, first report"),
     ("match_probe.py", ["--calls", "2"], "unindexed median"),

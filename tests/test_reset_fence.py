@@ -67,11 +67,49 @@ def test_a_running_save_of_a_reset_request_is_waited_for(rig):
     r.poll_until(want_saved=[1])
 
 
+def test_a_running_save_of_reset_requests_only_stops_between_blocks(rig):
+    """The fence need not wait for the blocks a reset request's own save has not begun to write:
+    they are skipped, and the wait ends with the writes in flight."""
+    r = rig()  # two I/O threads
+    op = r.save_op(1, "stopped", 4, first_block=0)
+    gates = [r.ops.hold(k) for k in op.keys[:2]]
+    r.tm.submit_saves([op], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+
+    def release_once_stopped():
+        end = time.monotonic() + WAIT_S
+        while not any(b.stopped for b in list(r.tm._inflight)) and time.monotonic() < end:
+            time.sleep(0.001)
+        for g in gates:
+            g.release()
+    threading.Thread(target=release_once_stopped, daemon=True).start()
+    r.tm.fence([1])
+    assert [r.pool.contains(k) for k in op.keys] == [True, True, False, False]
+    assert not any(r.ops.did_move(k) for k in op.keys[2:])
+    stats = r.stats.snapshot()
+    assert stats["fenced_blocks_skipped"] == 2 and "save_blocks_dropped_deadline" not in stats
+    r.poll(finished=[1])
+    r.poll_until(want_saved=[1])
+
+
+def test_a_running_save_shared_with_another_request_is_not_stopped(rig):
+    r = rig()
+    a, b = r.save_op(1, "shared", 2, first_block=0), r.save_op(2, "shared", 2, first_block=2)
+    gate = r.ops.hold(a.keys[0])
+    r.tm.submit_saves([a, b], None)
+    assert len(r.tm._inflight) == 1 and gate.started.wait(WAIT_S)  # one batch, running
+    threading.Timer(0.05, gate.release).start()
+    r.tm.fence([1])
+    assert all(r.pool.contains(k) for k in (*a.keys, *b.keys))  # request 2's blocks were still saved
+    r.poll(finished=[1, 2])
+    r.poll_until(want_saved=[1, 2])
+
+
 def test_a_save_still_running_at_its_deadline_fails_the_reset(rig):
     """Worse than a crash: the save would read pages the next forward fills with another request's KV."""
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.05", TLLM_GDS_KV_DEADLINE_S="0.3")
     _, gate = r.running_save(7, "blocker")
-    with pytest.raises(ConnectorFailure, match="request 7 was reset while its save .* still running at its 0.3s"):
+    with pytest.raises(ConnectorFailure, match="request 7 was reset while its save .* still running 0.05s after its 0.3s deadline"):
         r.tm.fence([7])
     gate.release()
 

@@ -135,7 +135,7 @@ class _RaisingEngine(PosixEngine):
         super().__init__(io_threads=2)
         self.exc: BaseException | None = exc
 
-    def write(self, items):
+    def write(self, items, in_time=None):
         if self.exc is not None:
             exc, self.exc = self.exc, None
             raise exc

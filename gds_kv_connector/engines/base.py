@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,21 @@ class TransferItem:
     offset: int
     view: torch.Tensor
     header: bytes | bytearray | None = None
+
+
+#: ``IoEngine.write``'s ``in_time``: called before each I/O starts; False once the batch's deadline passed
+InTime = Callable[[], bool]
+
+
+class WriteExpired(Exception):
+    """An item not written because its batch's deadline passed before its I/O could start: a save
+    on storage slower than its deadline stops between blocks instead of holding its request's pages."""
+
+
+def expired_check(in_time: InTime | None) -> None:
+    """Raise :class:`WriteExpired` where ``in_time`` says the deadline passed."""
+    if in_time is not None and not in_time():
+        raise WriteExpired("the save's deadline passed before this block's write started")
 
 
 def header_io(item: TransferItem, write: bool, pwrite, preadv) -> None:
@@ -53,16 +69,18 @@ class IoEngine(ABC):
     name: str = "?"
 
     @abstractmethod
-    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
-        """Write every item; the result holds the error of each item, or None."""
+    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        """Write every item; the result holds the error of each item, or None.  With ``in_time``,
+        items whose I/O has not started once it returns False are not written (:class:`WriteExpired`)."""
 
     @abstractmethod
     def read(self, items: list[TransferItem]) -> list[BaseException | None]:
         """Read every item fully; a short file is an error of that item."""
 
     @abstractmethod
-    def checksums(self, views: list[torch.Tensor]) -> list[int]:
-        """Payload checksums (checksum.py's definition) of the given views."""
+    def checksums(self, views: list[torch.Tensor], load: bool = False) -> list[int]:
+        """Payload checksums (checksum.py's definition) of the given views; ``load`` says they
+        verify a load, so engines that compute them on I/O threads run them beside the reads."""
 
     @abstractmethod
     def data_path(self) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..fileops import FileOps
-from .base import IoEngine, TransferItem, header_io
+from .base import InTime, IoEngine, TransferItem, expired_check, header_io
 from .host_dma import CudaHostDma
 from .staged_files import StagedFileIo
 
@@ -140,13 +140,13 @@ class KvikioEngine(IoEngine):
             self._ensure_probed(probe_dir)
 
     # -- IoEngine ---------------------------------------------------------------------------------
-    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._transfer(items, write=True)
+    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        return self._transfer(items, write=True, in_time=in_time)
 
     def read(self, items: list[TransferItem]) -> list[BaseException | None]:
         return self._transfer(items, write=False)
 
-    def checksums(self, views: list[torch.Tensor]) -> list[int]:
+    def checksums(self, views: list[torch.Tensor], load: bool = False) -> list[int]:
         from ..gpu_checksum import checksums_device
 
         return checksums_device(views)
@@ -223,7 +223,8 @@ class KvikioEngine(IoEngine):
                 log.warning("cuFile probe failed (%s); moving blocks on KvikIO's POSIX path", reason)
             self._probed = True
 
-    def _transfer(self, items: list[TransferItem], write: bool) -> list[BaseException | None]:
+    def _transfer(self, items: list[TransferItem], write: bool,
+                  in_time: InTime | None = None) -> list[BaseException | None]:
         if not items:
             return []
         if not self._probed:
@@ -233,16 +234,18 @@ class KvikioEngine(IoEngine):
                 return [_as_error(exc) for _ in items]
         staged = self._staged_io()
         if staged is not None:
-            return staged.write(items) if write else staged.read(items)
+            return staged.write(items, in_time) if write else staged.read(items)
         flags = "r+" if write else "r"
         results: list[BaseException | None] = [None] * len(items)
         handles: dict[int, Any] = {}  # one per descriptor: slots of one arena slab share it
         pending: list[tuple[int, Any]] = []
         resolved = 0
         try:
-            # Submit everything before waiting on anything, so KvikIO's thread pool sees the whole batch.
+            # Submit everything before waiting on anything, so KvikIO's thread pool sees the whole batch
+            # (which is why a deadline stops only the submissions, not writes KvikIO queued already).
             for i, item in enumerate(items):
                 try:
+                    expired_check(in_time)
                     view = _byte_view(item.view)
                     header_io(item, write, _OPS.pwrite, _OPS.preadv)
                     handle = handles.get(item.fd)

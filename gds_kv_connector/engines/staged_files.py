@@ -10,7 +10,8 @@ Items that sit end to end in one file (arena slots of a slab on disk, saved or l
 share one I/O of up to 4 MiB.  Loads run the same in reverse.  The file layout is unchanged
 (payload at ``HEADER_SIZE``, zero padding to a page), so files written either way are read
 either way.  A filesystem that refuses O_DIRECT (tmpfs on older kernels) gets the same writes
-through the plain descriptor.
+through the plain descriptor.  Reads and writes have ``io_threads`` threads each, so a load's reads
+never queue behind the writes of save batches already handed over.
 
 The DMA is a callable (:class:`~.host_dma.CudaHostDma` on GPU hosts), so the CPU tests drive
 this module with host tensors and ``memmove``.
@@ -31,7 +32,7 @@ import torch
 
 from ..fileops import FileOps, write_all
 from ..pool_format import PAGE, align_up
-from .base import TransferItem
+from .base import InTime, TransferItem, expired_check
 
 DEFAULT_STAGE_BYTES = 64 << 20
 # Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
@@ -89,6 +90,7 @@ class _Job:
     sizes: list[int]
     buf: memoryview
     pitch: int
+    in_time: InTime | None = None  # a write checks it before it starts
 
     @property
     def start(self) -> int:
@@ -126,27 +128,30 @@ class StagedFileIo:
         self._stage_bytes = align_up(stage_bytes, PAGE)
         self._max_io_bytes = max_io_bytes
         self.ops = ops or FileOps()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-staged")
+        self._writes = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-staged-w")
+        self._reads = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-staged-r")
         self._local = threading.local()
         self._stages: list[_Stage] = []
         self._lock = threading.Lock()
         self.direct_refused = 0  # files moved through the plain descriptor because O_DIRECT was refused
 
-    def write(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._run(items, write=True)
+    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        return self._run(items, write=True, in_time=in_time)
 
     def read(self, items: list[TransferItem]) -> list[BaseException | None]:
         return self._run(items, write=False)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._writes.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         with self._lock:
             stages, self._stages = self._stages, []
         for stage in stages:
             stage.release(self._unregister)
 
     # -- internals --------------------------------------------------------------------------------
-    def _run(self, items: list[TransferItem], write: bool) -> list[BaseException | None]:
+    def _run(self, items: list[TransferItem], write: bool,
+             in_time: InTime | None = None) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
         # Items with a header move it in the same I/O: their slot starts that many bytes before the payload.
@@ -167,6 +172,7 @@ class StagedFileIo:
             pairs = [(stage.addr + k * pitch + leads[i], items[i].view) for k, i in enumerate(chunk)]
             if write:
                 try:
+                    expired_check(in_time)  # the chunk's pages are not even read: its items stay unwritten
                     self._to_host(pairs, pitch)
                 except Exception as exc:  # noqa: BLE001 - every item of the chunk fails with it
                     for i in chunk:
@@ -176,10 +182,10 @@ class StagedFileIo:
                              self._max_io_bytes)
             jobs = [_Job([items[i] for i in chunk[lo:hi]], [leads[i] for i in chunk[lo:hi]],
                          [sizes[i] for i in chunk[lo:hi]],
-                         stage.view[lo * pitch:(hi - 1) * pitch + spans[chunk[hi - 1]]], pitch)
+                         stage.view[lo * pitch:(hi - 1) * pitch + spans[chunk[hi - 1]]], pitch, in_time)
                     for lo, hi in runs]
-            fn = self._write_one if write else self._read_one
-            run_errors = list(self._pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
+            fn, pool = (self._write_one, self._writes) if write else (self._read_one, self._reads)
+            run_errors = list(pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
             errors = [err for (lo, hi), err in zip(runs, run_errors) for _ in range(hi - lo)]
             for i, err in zip(chunk, errors):
                 results[i] = err
@@ -219,6 +225,7 @@ class StagedFileIo:
     def _write_one(self, job: _Job) -> BaseException | None:
         buf = job.buf
         try:
+            expired_check(job.in_time)
             for k, (item, lead, nbytes) in enumerate(zip(job.items, job.leads, job.sizes)):
                 at, end = k * job.pitch, min(len(buf), (k + 1) * job.pitch)
                 if lead:
