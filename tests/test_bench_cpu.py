@@ -234,6 +234,7 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
      '"publish_refs"'),
     ("load_under_saves.py", ["--block", "64KiB", "--loads", "3", "--save-limit", "64MiB", "--io-threads", "2"],
      '"median_ratio"'),
+    ("syscall_probe.py", [], "absent-file exists()"),
     ("callback_totals.py", ["--runs", "1"], "warm:get_num_new_matched_tokens"),
     ("long_request.py", ["--blocks", "64", "--requests", "2"], "build_connector_meta, first report"),
     ("match_probe.py", ["--calls", "2"], "unindexed median"),
