@@ -105,7 +105,7 @@ SPECS: tuple[SettingSpec, ...] = (
                 _one_of("staged", "kvikio")),
     SettingSpec("io_threads", 16, int, "Threads moving bytes: the POSIX engine's and the staged path's "
                 "reads and writes each have this many (a load never queues behind writes), KvikIO's "
-                "KVIKIO_NTHREADS.",
+                "KVIKIO_NTHREADS (one FIFO: a batch keeps at most twice this many transfers in it).",
                 lambda v: None if 1 <= v <= 256 else "must be 1..256"),
     SettingSpec("transfer_threads", 4, int, "Threads driving transfer batches (event wait, checksum, "
                 "publish).", lambda v: None if 1 <= v <= 64 else "must be 1..64"),

@@ -5,11 +5,13 @@ one (on slow storage, past its deadline, which is fatal)."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import fault_helpers as fh  # noqa: E402
 
 from gds_kv_connector.checksum import checksum_bytes  # noqa: E402
 from gds_kv_connector.engines.base import TransferItem, WriteExpired  # noqa: E402
+from gds_kv_connector.engines.kvikio_engine import run_windowed  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from gds_kv_connector.engines.staged_files import StagedFileIo  # noqa: E402
 from gds_kv_connector.faults import FaultyFileOps  # noqa: E402
@@ -163,3 +166,122 @@ def test_posix_writes_not_started_in_time_are_not_written(tmp_path):
         engine.close()
     assert errors[0] is None and all(isinstance(e, WriteExpired) for e in errors[1:])
     assert [open(p, "rb").read()[PAGE:PAGE + 1] for p in paths] == [bytes([90]), bytes([2]), bytes([3])]
+
+
+# -- KvikIO's own thread pool (real GDS, or TLLM_GDS_KV_COMPAT_IO=kvikio): one FIFO for every caller -------
+class _FifoPool:
+    """Stands in for KvikIO's thread pool: ``workers`` threads, one FIFO queue, futures with get()."""
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers)
+        self.order: list[str] = []  # the tasks in the order they started
+        self._lock = threading.Lock()
+
+    def submit(self, name: str, fn) -> "_Got":
+        def task():
+            with self._lock:
+                self.order.append(name)
+            return fn()
+        return _Got(self._pool.submit(task))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _Got:
+    def __init__(self, future) -> None:
+        self._future = future
+
+    def get(self):
+        return self._future.result()
+
+
+def _items(n: int) -> list[TransferItem]:
+    return [TransferItem(-1, PAGE, torch.zeros(PAYLOAD, dtype=torch.uint8)) for _ in range(n)]
+
+
+@fh.timeout(60)
+def test_kvikio_reads_wait_for_at_most_a_window_of_writes():
+    """A write batch of 20 items with a window of 4 in a 2-thread FIFO pool: a read started while the
+    writes are held runs after the 4 handed over, not after all 20."""
+    pool, go = _FifoPool(2), threading.Event()
+    writes = _items(20)
+    names = {id(it): f"w{k}" for k, it in enumerate(writes)}
+    out: list = []
+    got_read: list = []
+    handed: list[str] = []
+
+    def start_write(it):
+        handed.append(names[id(it)])
+        return pool.submit(names[id(it)], lambda: go.wait(10) and PAYLOAD)
+    writer = threading.Thread(target=lambda: out.extend(run_windowed(writes, start_write, 4, True)), daemon=True)
+    writer.start()
+    _wait_for(lambda: len(pool.order) == 2 and len(handed) == 4, "two writes running, two queued")
+    time.sleep(0.05)
+    assert len(handed) == 4  # the writer waits for w0 before it hands over w4
+    submitted = threading.Event()
+
+    def start_read(it):
+        got = pool.submit("read", lambda: PAYLOAD)
+        submitted.set()
+        return got
+    reader = threading.Thread(target=lambda: got_read.extend(run_windowed(_items(1), start_read, 4, False)),
+                              daemon=True)
+    reader.start()
+    assert submitted.wait(10)  # queued behind what the writer handed over so far
+    go.set()
+    writer.join(10)
+    reader.join(10)
+    pool.close()
+    assert pool.order.index("read") == 4  # after w0-w3; with the whole batch handed over it was 20th
+    assert out == [None] * 20 and got_read == [None]
+
+
+def test_kvikio_window_bounds_the_futures_in_flight_and_settles_each_item():
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+
+    class Counted:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+
+        def get(self):
+            with lock:
+                in_flight[0] -= 1
+            if self.nbytes is None:
+                raise RuntimeError("Input/output error")  # as KvikIO raises it
+            return self.nbytes
+    items = _items(10)
+    sizes = [PAYLOAD] * 10
+    sizes[3], sizes[6] = None, PAYLOAD // 2
+
+    index = {id(it): k for k, it in enumerate(items)}
+
+    def start(it):
+        k = index[id(it)]
+        if k == 8:
+            raise ValueError("bad view")
+        return Counted(sizes[k])
+    errors = run_windowed(items, start, 3, True)
+    assert most[0] == 3 and in_flight[0] == 0
+    assert [type(e).__name__ if e else None for e in errors] == \
+        [None, None, None, "OSError", None, None, "OSError", None, "ValueError", None]
+    assert errors[3].errno == errno.EIO and "short write" in str(errors[6])
+
+
+def test_kvikio_writes_not_started_by_the_deadline_are_not_started():
+    started: list[int] = []
+    items = _items(6)
+
+    class Done:
+        def get(self):
+            return PAYLOAD
+    index = {id(it): k for k, it in enumerate(items)}
+    calls = itertools.count()
+    errors = run_windowed(items, lambda it: started.append(index[id(it)]) or Done(), 2, True,
+                          lambda: next(calls) < 3)
+    assert started == [0, 1, 2]
+    assert errors[:3] == [None] * 3 and all(isinstance(e, WriteExpired) for e in errors[3:])

@@ -16,12 +16,13 @@ KvikIO and CuPy are imported only when an engine is built, never by importing th
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
 import secrets
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -236,53 +237,25 @@ class KvikioEngine(IoEngine):
         if staged is not None:
             return staged.write(items, in_time) if write else staged.read(items)
         flags = "r+" if write else "r"
-        results: list[BaseException | None] = [None] * len(items)
         handles: dict[int, Any] = {}  # one per descriptor: slots of one arena slab share it
-        pending: list[tuple[int, Any]] = []
-        resolved = 0
+
+        def start(item: TransferItem) -> Any:
+            view = _byte_view(item.view)
+            header_io(item, write, _OPS.pwrite, _OPS.preadv)
+            handle = handles.get(item.fd)
+            if handle is None:
+                # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
+                # reopening the same inode through /proc lets KvikIO open it its own way.
+                handle = handles[item.fd] = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
+            return (handle.pwrite if write else handle.pread)(view, file_offset=item.offset)
         try:
-            # Submit everything before waiting on anything, so KvikIO's thread pool sees the whole batch
-            # (which is why a deadline stops only the submissions, not writes KvikIO queued already).
-            for i, item in enumerate(items):
-                try:
-                    expired_check(in_time)
-                    view = _byte_view(item.view)
-                    header_io(item, write, _OPS.pwrite, _OPS.preadv)
-                    handle = handles.get(item.fd)
-                    if handle is None:
-                        # The pool's fds are O_WRONLY (saves) or O_RDONLY (loads) and have no O_DIRECT;
-                        # reopening the same inode through /proc lets KvikIO open it its own way.
-                        handle = handles[item.fd] = self._kvikio.CuFile(f"/proc/self/fd/{item.fd}", flags)
-                    op = handle.pwrite if write else handle.pread
-                    pending.append((i, op(view, file_offset=item.offset)))
-                except Exception as exc:  # noqa: BLE001 - reported per item
-                    results[i] = _as_error(exc)
-            for i, future in pending:
-                try:
-                    moved = future.get()
-                    error = None
-                except Exception as exc:  # noqa: BLE001 - reported per item
-                    moved, error = 0, _as_error(exc)
-                resolved += 1
-                expected = items[i].view.numel() * items[i].view.element_size()
-                if error is None and moved != expected:
-                    error = (OSError(errno.EIO, f"short write: {moved} of {expected} bytes") if write
-                             else EOFError(f"short read: {moved} of {expected} bytes at offset {items[i].offset}"))
-                results[i] = error
+            return run_windowed(items, start, 2 * self._io_threads, write, in_time)
         finally:
-            # Only reached with futures left on an unexpected BaseException: a handle must outlive
-            # its futures, so let them finish before closing.
-            for _, future in pending[resolved:]:
-                try:
-                    future.get()
-                except BaseException:  # noqa: BLE001 - already failing
-                    pass
             for handle in handles.values():
                 try:
                     handle.close()
                 except Exception as exc:  # noqa: BLE001 - the transfer's outcome is already known
                     log.debug("closing a KvikIO handle failed: %s", exc)
-        return results
 
     def _staged_io(self) -> StagedFileIo | None:
         """The staged O_DIRECT path, where KvikIO would take its POSIX path and it is not opted out."""
@@ -296,6 +269,55 @@ class KvikioEngine(IoEngine):
                         lambda pairs, pitch: dma.copy(pairs, pitch, to_host=False),
                         dma.register, dma.unregister, self._io_threads)
         return self._staged
+
+
+def run_windowed(items: list[TransferItem], start: Callable[[TransferItem], Any], window: int, write: bool,
+                 in_time: InTime | None = None) -> list[BaseException | None]:
+    """Start each item's I/O (``start`` returns a KvikIO future, or raises) with at most ``window``
+    started and not yet waited for, the oldest waited for first; the error of each item, or None.
+
+    KvikIO's thread pool is one FIFO queue for every caller: a save batch handed over whole would
+    put a load's reads behind all of its writes, and a deadline could stop none of them.  Twice the
+    pool's threads in flight per call keeps every thread busy.  Items not started once ``in_time``
+    returns False fail with :class:`~.base.WriteExpired`."""
+    results: list[BaseException | None] = [None] * len(items)
+    pending: collections.deque[tuple[int, Any]] = collections.deque()
+    try:
+        for i, item in enumerate(items):
+            if len(pending) >= window:
+                _settle(pending[0], items, results, write)
+                pending.popleft()
+            try:
+                expired_check(in_time)
+                pending.append((i, start(item)))
+            except Exception as exc:  # noqa: BLE001 - reported per item
+                results[i] = _as_error(exc)
+        while pending:
+            _settle(pending[0], items, results, write)
+            pending.popleft()
+    finally:
+        # Only reached with futures left on an unexpected BaseException: a handle must outlive
+        # its futures, so let them finish before the caller closes it.
+        for _, future in pending:
+            try:
+                future.get()
+            except BaseException:  # noqa: BLE001 - already failing
+                pass
+    return results
+
+
+def _settle(entry: tuple[int, Any], items: list[TransferItem], results: list[BaseException | None],
+            write: bool) -> None:
+    i, future = entry
+    try:
+        moved, error = future.get(), None
+    except Exception as exc:  # noqa: BLE001 - reported per item
+        moved, error = 0, _as_error(exc)
+    expected = items[i].view.numel() * items[i].view.element_size()
+    if error is None and moved != expected:
+        error = (OSError(errno.EIO, f"short write: {moved} of {expected} bytes") if write
+                 else EOFError(f"short read: {moved} of {expected} bytes at offset {items[i].offset}"))
+    results[i] = error
 
 
 def _apply_compat_env(kvikio: Any) -> None:

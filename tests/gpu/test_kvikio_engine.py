@@ -4,6 +4,7 @@ truncation as the load path sees them."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import resource
@@ -196,3 +197,44 @@ def test_truncated_file_is_eof_and_bad_fd_fails_alone(engine, tmp_path):
 def test_host_views_are_refused(engine, tmp_path):
     paths, errors = _save(engine, str(tmp_path), [torch.zeros(8192, dtype=torch.uint8)])
     assert isinstance(errors[0], ValueError)
+
+
+def test_more_blocks_than_kvikio_keeps_queued_round_trip(engine, tmp_path):
+    """40 blocks with 8 I/O threads: KvikIO's path keeps at most 16 in its queue per batch."""
+    pool = _pool("uint8", 40, 1, 8192)
+    views = [_block_bytes(pool, b) for b in range(pool.shape[0])]
+    torch.cuda.synchronize()
+    paths, errors = _save(engine, str(tmp_path), views)
+    assert errors == [None] * 40
+    back = torch.zeros_like(pool)
+    assert _load(engine, paths, [_block_bytes(back, b) for b in range(40)]) == [None] * 40
+    assert torch.equal(back, pool)
+
+
+def test_a_deadline_stops_the_writes_not_started(engine, tmp_path):
+    """Each path checks the deadline before each write it starts (the staged path also before its
+    copy): once it has passed, the rest fail with WriteExpired and their files keep their bytes."""
+    from gds_kv_connector.engines.base import WriteExpired
+
+    pool = _pool("uint8", 10, 1, 8192)
+    views = [_block_bytes(pool, b) for b in range(10)]
+    torch.cuda.synchronize()
+    paths, fds = [], []
+    for i in range(10):
+        path = os.path.join(str(tmp_path), f"late{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, HEADER + views[i].numel())
+        paths.append(path)
+        fds.append(fd)
+    calls = itertools.count()
+    try:
+        errors = engine.write([TransferItem(fd, HEADER, v) for fd, v in zip(fds, views)], lambda: next(calls) < 3)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    written = [i for i, e in enumerate(errors) if e is None]
+    assert len(written) in (2, 3)  # the staged path's first check is its copy's
+    assert all(isinstance(errors[i], WriteExpired) for i in range(10) if i not in written)
+    for i, path in enumerate(paths):
+        want = bytes(views[i].cpu().numpy()) if i in written else bytes(views[i].numel())
+        assert _payload(path) == want
