@@ -72,6 +72,9 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
     out.already_present = len(keys) - len(todo)
     if not todo:
         return out
+    if in_time is not None and not in_time():  # stopped (a fence) before it read a page
+        out.expired = len(todo)
+        return out
     sums = engine.checksums(views if len(todo) == len(keys) else [views[i] for i in todo])
     now = time.time_ns()
     if pool.arena is not None:

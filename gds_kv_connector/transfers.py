@@ -65,7 +65,8 @@ class _Batch:
     event: Any
     deadline: float
     started: float = 0.0  # when a transfer thread took it (0 until then)
-    stopped: bool = False  # a running save whose every request was reset: it stops between blocks
+    stopped: bool = False  # a running save whose every request was reset (or shutdown): it stops between blocks
+    stop_cause: str = ""  # why its in_time first said no: "stopped" or "deadline"
 
     @property
     def shared(self) -> bool:
@@ -248,9 +249,7 @@ class TransferManager:
             op = run[0] if len(run) == 1 else _Merged(run)
             try:
                 if saving:  # its deadline counts from its start (its time queued was the storage's, not its own)
-                    end = batch.started + self.settings.deadline_s
-                    future.set_result(self._run_save(op, batch.event,
-                                                     lambda: not batch.stopped and time.monotonic() < end))
+                    future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s)))
                 else:
                     future.set_result(self._run_load(op, batch.event, batch.deadline))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
@@ -447,11 +446,12 @@ class TransferManager:
         self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
                             save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
-        if batch.stopped:
-            self.stats.add("fenced_blocks_skipped", out.expired)
+        if batch.stop_cause == "stopped":
+            self.stats.add("fenced_blocks_skipped" if not self._closed else "save_blocks_dropped_at_shutdown",
+                           out.expired)
         elif out.expired:
             self.stats.add("save_blocks_dropped_deadline", out.expired)
-        if out.expired and not batch.stopped and "expired" not in self._causes_logged:
+        if out.expired and batch.stop_cause == "deadline" and "expired" not in self._causes_logged:
             self._causes_logged.add("expired")
             log.warning("gds-kv-connector: a save batch stopped at its %.1fs deadline with %d blocks unwritten "
                         "(storage slower than the KV is produced); serving continues, further drops are only "
@@ -568,9 +568,14 @@ class TransferManager:
         return dropped
 
     def shutdown(self) -> dict[str, int]:
-        """Stop accepting work, drop queued batches, wait for in-flight ones up to the control grace."""
+        """Stop accepting work, drop queued batches, stop running saves between blocks, wait for
+        in-flight transfers up to the control grace."""
         self._closed = True
-        dropped = sum(1 for b in self._inflight if not b.future.done() and b.future.cancel())
+        with self._start_lock:  # no batch starts meanwhile; running saves start no further block
+            dropped = sum(1 for b in self._inflight if not b.future.done() and b.future.cancel())
+            for batch in self._inflight:
+                if batch.kind == "save" and batch.future.running():
+                    batch.stopped = True
         while not self._inbox.empty():  # saves of finished requests handed over after the last poll
             dropped_saves = self._inbox.get_nowait()
             self.stats.add("save_blocks_dropped_at_shutdown", sum(len(op.keys) for op in dropped_saves))
@@ -600,6 +605,20 @@ class TransferManager:
 def _wait_event(event: Any) -> None:
     if event is not None:
         event.synchronize()
+
+
+def _save_in_time(batch: _Batch, deadline_s: float) -> Callable[[], bool]:
+    """A running save's ``in_time``: False once it is stopped or its deadline (from its start) has
+    passed; the first False records which, so its unwritten blocks are counted under that cause."""
+    end = batch.started + deadline_s
+
+    def in_time() -> bool:
+        if not batch.stopped and time.monotonic() < end:
+            return True
+        if not batch.stop_cause:
+            batch.stop_cause = "stopped" if batch.stopped else "deadline"
+        return False
+    return in_time
 
 
 def _fan_out(pool: ThreadPoolExecutor, runners: int, run: Callable[[], None]) -> None:

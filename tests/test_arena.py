@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import itertools
 import os
 import time
 import zlib
@@ -539,15 +538,22 @@ def test_slab_names_fit_the_reference_field_with_a_long_hostname(shm_root, engin
     a.arena.close()
 
 
-def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expired(shm_root, engine, slab_mode):
+def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expired(shm_root, slab_mode):
     """A save past its deadline stops between blocks: on disk slabs the slots left unwritten go back
     to the arena and count as expired, not failed; mapped slots are a memory copy, never stopped."""
+    engine = PosixEngine(io_threads=1)  # one write at a time: the deadline passes after the second
+    written_so_far = [0]
+    write_one = engine._write_one
+
+    def counted(item):
+        write_one(item)
+        written_so_far[0] += 1
+    engine._write_one = counted
     pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
     pool.arena = _arena(pool, engine, 8, 8, 0.0)
     pool.arena.start(background=False)
     keys, d = _keys(5), _data(5, 13)
-    calls = itertools.count()
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 5, [d[i] for i in range(5)], lambda: next(calls) < 2)
+    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 5, [d[i] for i in range(5)], lambda: written_so_far[0] < 2)
     written = 5 if slab_mode == "mapped" else 2
     assert (out.published, out.expired, out.failed) == (written, 5 - written, [])
     present = [k for k in keys if pool.contains(k)]
@@ -556,6 +562,7 @@ def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expir
     assert u["used_slots"] == written and u["ready_slots"] == 8 - written
     assert torch.equal(_load(pool, engine, present), d[[keys.index(k) for k in present]])
     pool.arena.close()
+    engine.close()
 
 
 def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine):

@@ -93,16 +93,62 @@ def test_a_running_save_of_reset_requests_only_stops_between_blocks(rig):
 
 
 def test_a_running_save_shared_with_another_request_is_not_stopped(rig):
-    r = rig()
+    r = rig()  # two I/O threads, both held on request 1's blocks: request 2's wait in the queue
     a, b = r.save_op(1, "shared", 2, first_block=0), r.save_op(2, "shared", 2, first_block=2)
-    gate = r.ops.hold(a.keys[0])
+    gates = [r.ops.hold(k) for k in a.keys]
     r.tm.submit_saves([a, b], None)
-    assert len(r.tm._inflight) == 1 and gate.started.wait(WAIT_S)  # one batch, running
-    threading.Timer(0.05, gate.release).start()
+    assert len(r.tm._inflight) == 1 and all(g.started.wait(WAIT_S) for g in gates)  # one batch, running
+    assert not any(r.ops.did_move(k) for k in b.keys)
+    for g in gates:
+        threading.Timer(0.05, g.release).start()
     r.tm.fence([1])
     assert all(r.pool.contains(k) for k in (*a.keys, *b.keys))  # request 2's blocks were still saved
     r.poll(finished=[1, 2])
     r.poll_until(want_saved=[1, 2])
+
+
+def test_a_stopped_save_does_not_wait_for_another_requests_stuck_writes(rig):
+    """Request 2's save holds both I/O threads (storage stuck) with more of its writes queued;
+    request 1's save runs behind them.  Reset, request 1's save gives up its queued writes at once
+    instead of waiting in the engine's queue for request 2's."""
+    r = rig(TLLM_GDS_KV_TRANSFER_THREADS="2")
+    other = r.save_op(2, "stuck", 6, first_block=0)
+    gates = [r.ops.hold(k) for k in other.keys[:2]]
+    r.tm.submit_saves([other], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+    mine = r.save_op(1, "reset", 4, first_block=8)
+    r.tm.submit_saves([mine], None)
+    _wait_until(lambda: r.tm._inflight[1].future.running())
+    t0 = time.monotonic()
+    r.tm.fence([1])
+    assert time.monotonic() - t0 < WAIT_S / 2  # before: until request 2's writes were let go
+    assert not any(r.ops.did_move(k) for k in mine.keys)
+    assert r.stats.snapshot()["fenced_blocks_skipped"] == 4
+    for g in gates:
+        g.release()
+    r.poll(finished=[1, 2])
+    r.poll_until(want_saved=[1, 2])
+    assert all(r.pool.contains(k) for k in other.keys)
+
+
+def _wait_until(cond) -> None:
+    end = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < end
+        time.sleep(0.002)
+
+
+def test_shutdown_stops_a_running_save_between_blocks(rig):
+    r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.2")
+    op = r.save_op(1, "shut", 4, first_block=0)
+    gates = [r.ops.hold(k) for k in op.keys[:2]]
+    r.tm.submit_saves([op], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+    assert r.tm.shutdown()["stuck"] == 1
+    for g in gates:
+        g.release()
+    _wait_until(lambda: r.tm._inflight[0].future.done())
+    assert not any(r.ops.did_move(k) for k in op.keys[2:])  # their pages were never read after shutdown
 
 
 def test_a_save_still_running_at_its_deadline_fails_the_reset(rig):

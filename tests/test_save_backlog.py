@@ -11,6 +11,7 @@ running or queued transfers are held with gates the tests open (``gated_ops``).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -118,6 +119,25 @@ def test_a_running_save_stops_between_blocks_at_its_deadline(rig, clock):
     assert stats["save_blocks_dropped_deadline"] == 2 and stats["blocks_saved"] == 2
     assert not any(name.startswith("save_failed") for name in stats)
     assert (r.tm._inflight, r.tm._pending, r.tm._save_bytes) == ([], {}, 0)
+
+
+def test_blocks_dropped_at_the_deadline_stay_counted_so_when_a_reset_follows(rig, clock):
+    """The deadline stopped the save first; a fence of its request while its last writes run does
+    not make those blocks fenced ones."""
+    r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
+    op = r.save_op(1, "late", 4, first_block=0)
+    gates = [r.ops.hold(k) for k in op.keys[:2]]
+    r.tm.submit_saves([op], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+    clock(DEADLINE * 1.2)
+    batch = r.tm._inflight[0]
+    gates[0].release()
+    while batch.stop_cause == "":  # the freed thread found the deadline passed at block 3
+        time.sleep(0.002)
+    threading.Timer(0.05, gates[1].release).start()
+    r.tm.fence([1])
+    stats = r.stats.snapshot()
+    assert stats["save_blocks_dropped_deadline"] == 2 and "fenced_blocks_skipped" not in stats
 
 
 def test_saves_beyond_the_backlog_bound_are_dropped_and_each_request_is_reported_once(rig):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import errno
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -44,6 +45,33 @@ def expired_check(in_time: InTime | None) -> None:
     """Raise :class:`WriteExpired` where ``in_time`` says the deadline passed."""
     if in_time is not None and not in_time():
         raise WriteExpired("the save's deadline passed before this block's write started")
+
+
+# How often a batch waiting for its queued writes asks whether it was stopped (its deadline, a fence)
+STOP_POLL_S = 0.05
+
+
+def run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], jobs: list[Any],
+            in_time: InTime | None = None) -> list[Any]:
+    """``fn(job)`` for every job on ``pool`` (one job runs on the caller), results in order.
+
+    With ``in_time``, jobs still queued in the pool once it returns False are cancelled, their
+    result a :class:`WriteExpired`: the pool is shared with other batches, whose writes queued
+    ahead may be stuck, and a stopped save must not wait for them.  ``fn`` reports errors as its
+    result and checks ``in_time`` itself before it starts."""
+    if len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    futures = [pool.submit(fn, job) for job in jobs]
+    if in_time is not None:
+        pending = set(futures)
+        while pending:
+            pending = wait(pending, timeout=STOP_POLL_S).not_done
+            if pending and not in_time():
+                for future in pending:
+                    future.cancel()
+                break
+    return [WriteExpired("the save was stopped while this write waited for an I/O thread") if f.cancelled()
+            else f.result() for f in futures]
 
 
 def header_io(item: TransferItem, write: bool, pwrite, preadv) -> None:

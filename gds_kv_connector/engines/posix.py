@@ -3,9 +3,9 @@
 This is the engine of every CPU test and of host-memory pools; it moves bytes with plain
 system calls through :class:`~gds_kv_connector.fileops.FileOps` (so faults can be injected),
 with the GIL released inside each call so ``io_threads`` transfers proceed in parallel.
-Reads and writes have a pool of ``io_threads`` each: a save batch hands every block to its pool
-at once, and a load behind it in one FIFO queue would wait for all of them (on slow storage,
-past its deadline).
+Reads, writes and a save's checksums have a pool of ``io_threads`` each: a save batch hands every
+block to its pool at once, and a load (or another save's checksums, which a fence may be waiting
+to stop) behind it in one FIFO queue would wait for all of them (on slow storage, past its deadline).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from ..checksum import checksum_bytes
 from ..fileops import FileOps, read_exact, write_all
-from .base import InTime, IoEngine, TransferItem, expired_check, header_io
+from .base import InTime, IoEngine, TransferItem, expired_check, header_io, run_all
 
 
 class PosixEngine(IoEngine):
@@ -27,18 +27,19 @@ class PosixEngine(IoEngine):
         self.ops = ops or FileOps()
         self._writes = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-w")
         self._reads = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-r")
+        self._sums = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-c")
 
     def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         if in_time is None:
-            return _run(self._writes, self._write_one, items)
+            return run_all(self._writes, lambda it: _capture(self._write_one, it), items)
 
         def write_in_time(it: TransferItem) -> None:
             expired_check(in_time)
             self._write_one(it)
-        return _run(self._writes, write_in_time, items)
+        return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
 
     def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return _run(self._reads, self._read_one, items)
+        return run_all(self._reads, lambda it: _capture(self._read_one, it), items)
 
     def _write_one(self, it: TransferItem) -> None:
         data = _host_bytes(it.view)
@@ -53,7 +54,7 @@ class PosixEngine(IoEngine):
     def checksums(self, views: list[torch.Tensor], load: bool = False) -> list[int]:
         if len(views) <= 1:
             return [checksum_bytes(_host_bytes(v)) for v in views]
-        return list((self._reads if load else self._writes).map(lambda v: checksum_bytes(_host_bytes(v)), views))
+        return list((self._reads if load else self._sums).map(lambda v: checksum_bytes(_host_bytes(v)), views))
 
     def copy_to_host(self, pairs: list[tuple[int, torch.Tensor]], pitch: int) -> None:
         for addr, view in pairs:
@@ -67,20 +68,14 @@ class PosixEngine(IoEngine):
         return "posix (host-memory pool, pread/pwrite)"
 
     def close(self) -> None:
-        self._writes.shutdown(wait=True)
-        self._reads.shutdown(wait=True)
+        for pool in (self._writes, self._reads, self._sums):
+            pool.shutdown(wait=True)
 
 
 def _host_bytes(view: torch.Tensor):
     if view.device.type != "cpu":
         raise ValueError("the POSIX engine moves host-memory blocks only; use the kvikio engine for CUDA")
     return view.numpy()
-
-
-def _run(pool: ThreadPoolExecutor, fn, items: list[TransferItem]) -> list[BaseException | None]:
-    if len(items) == 1:
-        return [_capture(fn, items[0])]
-    return list(pool.map(lambda it: _capture(fn, it), items))
 
 
 def _capture(fn, item) -> BaseException | None:

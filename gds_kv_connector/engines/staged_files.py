@@ -32,7 +32,7 @@ import torch
 
 from ..fileops import FileOps, write_all
 from ..pool_format import PAGE, align_up
-from .base import InTime, TransferItem, expired_check
+from .base import InTime, TransferItem, expired_check, run_all
 
 DEFAULT_STAGE_BYTES = 64 << 20
 # Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
@@ -184,8 +184,12 @@ class StagedFileIo:
                          [sizes[i] for i in chunk[lo:hi]],
                          stage.view[lo * pitch:(hi - 1) * pitch + spans[chunk[hi - 1]]], pitch, in_time)
                     for lo, hi in runs]
-            fn, pool = (self._write_one, self._writes) if write else (self._read_one, self._reads)
-            run_errors = list(pool.map(fn, jobs)) if len(jobs) > 1 else [fn(jobs[0])]
+            if write:
+                run_errors = run_all(self._writes, self._write_one, jobs, in_time)
+                for job in jobs:  # a job cancelled before it ran still holds its view of the stage
+                    job.buf.release()
+            else:
+                run_errors = run_all(self._reads, self._read_one, jobs)
             errors = [err for (lo, hi), err in zip(runs, run_errors) for _ in range(hi - lo)]
             for i, err in zip(chunk, errors):
                 results[i] = err

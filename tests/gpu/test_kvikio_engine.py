@@ -233,7 +233,9 @@ def test_a_deadline_stops_the_writes_not_started(engine, tmp_path):
         for fd in fds:
             os.close(fd)
     written = [i for i, e in enumerate(errors) if e is None]
-    assert len(written) in (2, 3)  # the staged path's first check is its copy's
+    # three checks answered yes: the staged path's first is its copy's, and a batch waiting for its
+    # queued writes also asks now and then; never more than three writes
+    assert 1 <= len(written) <= 3
     assert all(isinstance(errors[i], WriteExpired) for i in range(10) if i not in written)
     for i, path in enumerate(paths):
         want = bytes(views[i].cpu().numpy()) if i in written else bytes(views[i].numel())
