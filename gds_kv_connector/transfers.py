@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Collection
 
@@ -67,6 +67,7 @@ class _Batch:
     started: float = 0.0  # when a transfer thread took it (0 until then)
     stopped: bool = False  # a running save whose every request was reset (or shutdown): it stops between blocks
     stop_cause: str = ""  # why its in_time first said no: "stopped" or "deadline"
+    fenced: set[int] = field(default_factory=set)  # requests in it reset while it ran
 
     @property
     def shared(self) -> bool:
@@ -520,8 +521,9 @@ class TransferManager:
                     continue
                 if batch.future.running():
                     running.append(batch)
-                    if batch.kind == "save" and all(op.request_id in rids for op in run):
-                        batch.stopped = True  # the blocks it has not begun to write are not waited for
+                    if batch.kind == "save":  # stopped once every request in it was reset, by one fence or several
+                        batch.fenced |= rids
+                        batch.stopped = batch.stopped or all(op.request_id in batch.fenced for op in run)
                     continue
                 keep = [op for op in run if op.request_id not in rids]
                 skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)

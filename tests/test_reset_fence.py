@@ -107,6 +107,26 @@ def test_a_running_save_shared_with_another_request_is_not_stopped(rig):
     r.poll_until(want_saved=[1, 2])
 
 
+def test_a_shared_running_save_stops_once_each_of_its_requests_was_reset(rig):
+    """request_reset fences each request on its own (wait=False): the batch stops at the second."""
+    r = rig()
+    a, b = r.save_op(1, "both", 2, first_block=0), r.save_op(2, "both", 2, first_block=2)
+    gates = [r.ops.hold(k) for k in a.keys]
+    r.tm.submit_saves([a, b], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+    batch = r.tm._inflight[0]
+    r.tm.fence([1], wait=False)
+    assert not batch.stopped
+    r.tm.fence([2], wait=False)
+    assert batch.stopped
+    for g in gates:
+        g.release()
+    r.poll(finished=[1, 2])
+    r.poll_until(want_saved=[1, 2])
+    assert not any(r.ops.did_move(k) for k in b.keys)
+    assert r.stats.snapshot()["fenced_blocks_skipped"] == 2
+
+
 def test_a_stopped_save_does_not_wait_for_another_requests_stuck_writes(rig):
     """Request 2's save holds both I/O threads (storage stuck) with more of its writes queued;
     request 1's save runs behind them.  Reset, request 1's save gives up its queued writes at once
