@@ -593,6 +593,7 @@ class TransferManager:
         self._exec.shutdown(wait=stuck == 0, cancel_futures=True)
         self._load_lane.shutdown(wait=stuck == 0, cancel_futures=True)
         if stuck == 0:
+            self._settle_done()  # no poll follows: what the last batches saved, dropped or cancelled is counted now
             self.engine.close()
         else:
             log.error("gds-kv-connector: %d transfer(s) still in flight after the %.1fs control grace",
@@ -615,10 +616,11 @@ def _save_in_time(batch: _Batch, deadline_s: float) -> Callable[[], bool]:
     end = batch.started + deadline_s
 
     def in_time() -> bool:
-        if not batch.stopped and time.monotonic() < end:
+        stopped = batch.stopped  # read once: a fence setting it meanwhile must not take over a deadline's drop
+        if not stopped and time.monotonic() < end:
             return True
         if not batch.stop_cause:
-            batch.stop_cause = "stopped" if batch.stopped else "deadline"
+            batch.stop_cause = "stopped" if stopped else "deadline"
         return False
     return in_time
 

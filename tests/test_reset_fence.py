@@ -171,6 +171,25 @@ def test_shutdown_stops_a_running_save_between_blocks(rig):
     assert not any(r.ops.did_move(k) for k in op.keys[2:])  # their pages were never read after shutdown
 
 
+def test_what_a_save_stopped_by_shutdown_wrote_and_dropped_is_counted(rig):
+    """No poll follows shutdown: it settles the batches that ended within the grace itself."""
+    r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="5")
+    op = r.save_op(1, "shut", 4, first_block=0)
+    gates = [r.ops.hold(k) for k in op.keys[:2]]
+    r.tm.submit_saves([op], None)
+    assert all(g.started.wait(WAIT_S) for g in gates)
+    batch = r.tm._inflight[0]
+
+    def release_once_stopped():
+        _wait_until(lambda: batch.stopped)
+        for g in gates:
+            g.release()
+    threading.Thread(target=release_once_stopped, daemon=True).start()
+    assert r.tm.shutdown()["stuck"] == 0
+    stats = r.stats.snapshot()
+    assert stats["blocks_saved"] == 2 and stats["save_blocks_dropped_at_shutdown"] == 2
+
+
 def test_a_save_still_running_at_its_deadline_fails_the_reset(rig):
     """Worse than a crash: the save would read pages the next forward fills with another request's KV."""
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.05", TLLM_GDS_KV_DEADLINE_S="0.3")

@@ -53,7 +53,7 @@ STOP_POLL_S = 0.05
 
 def run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], jobs: list[Any],
             in_time: InTime | None = None) -> list[Any]:
-    """``fn(job)`` for every job on ``pool`` (one job runs on the caller), results in order.
+    """``fn(job)`` for every job on ``pool`` (a batch of one job runs on the caller), results in order.
 
     With ``in_time``, jobs still queued in the pool once it returns False are cancelled, their
     result a :class:`WriteExpired`: the pool is shared with other batches, whose writes queued
