@@ -413,3 +413,26 @@ def test_a_short_read_before_the_end_is_read_on(tmp_path, short, direct):
     size = HEADER + align_up(payload, PAGE)
     assert ops.reads == [(direct, 0, size), (direct and short % PAGE == 0, short, size - short)]
     io.close()
+
+
+def test_an_error_kept_by_the_caller_does_not_pin_the_stage(tmp_path):
+    """A failed read's error travels up to the load's failure message; its traceback held the
+    frame of the read that had a slice of the stage, and the stage could then not be replaced
+    by a larger one (BufferError) nor closed."""
+    from gds_kv_connector.faults import FaultyFileOps
+
+    ops = FaultyFileOps()
+    io = _io(_Registry(), stage_bytes=4 * PAGE, ops=ops)
+    paths, fds = _create(str(tmp_path), 2, PAGE)
+    for fd in fds:
+        os.close(fd)
+    ops.add("preadv", "eio", count=2)
+    kept = _read(paths, io, [torch.zeros(PAGE, dtype=torch.uint8) for _ in paths])
+    assert all(isinstance(e, OSError) for e in kept)
+    os.makedirs(tmp_path / "big")
+    big, bfds = _create(str(tmp_path / "big"), 1, 16 * PAGE)
+    for fd in bfds:
+        os.close(fd)
+    assert _read(big, io, [torch.zeros(16 * PAGE, dtype=torch.uint8)]) == [None]  # the stage grew
+    io.close()
+    assert kept  # still alive here

@@ -245,9 +245,11 @@ class StagedFileIo:
                     self.ops.close(dfd)
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
-            return exc
+            # Its traceback would keep the frames of the calls that got slices of the stage (a
+            # FileOps.preadv's buffer argument): kept by the caller, it would pin the stage's mapping.
+            return exc.with_traceback(None)
         finally:
-            buf.release()  # an error's traceback keeps this frame: it must not pin the stage's mapping
+            buf.release()
 
     def _read_one(self, job: _Job) -> BaseException | None:
         """Reads whole pages (O_DIRECT needs them); the file may end inside the last one, after
@@ -279,6 +281,8 @@ class StagedFileIo:
                     item.header[:] = buf[k * job.pitch:k * job.pitch + lead]
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
-            return exc
+            # Its traceback would keep the frames of the calls that got slices of the stage (a
+            # FileOps.preadv's buffer argument): kept by the caller, it would pin the stage's mapping.
+            return exc.with_traceback(None)
         finally:
-            buf.release()  # an error's traceback keeps this frame: it must not pin the stage's mapping
+            buf.release()
