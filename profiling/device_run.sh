@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device command that records a commit's GPU results: the GPU suite (doctor, gpu tests, six demos),
-# a full bench on /dev/shm and a disk-arena bench, each log and JSON under $OUT.  About 5 minutes on an H200
+# a full bench on /dev/shm, a disk-arena bench and a small load timed under saves (load_under_saves.py),
+# each log and JSON under $OUT.  About 5 minutes on an H200
 # host; each part has its own time limit, so one that hangs cannot take the others' time.
 #
 #   bash profiling/device_run.sh <commit>      (in the tree, with .whl/ and the built _native.abi3.so carried)
@@ -40,3 +41,11 @@ timeout 160 python -m gds_kv_connector.cli bench --targets disk --disk-pool aren
     --json "$OUT/bench-disk.json" --png "$OUT/bench-disk.png" > "$OUT/bench-disk.log" 2>&1
 echo "disk bench rc $? in $((SECONDS - T0)) s"
 grep -n "PASS\|MISS" "$OUT/bench-disk.log"
+
+T0=$SECONDS
+mkdir -p /tmp/lus
+for arena in 0 4GiB; do
+  timeout 30 python profiling/load_under_saves.py --block 2MiB --loads 20 --io-threads 4 --save-threads 2 \
+      --dir /tmp/lus --arena $arena --save-limit 12GiB >> "$OUT/load-under-saves.jsonl" 2>&1
+done
+echo "load under saves rc $? in $((SECONDS - T0)) s"; cat "$OUT/load-under-saves.jsonl"
