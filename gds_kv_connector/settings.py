@@ -117,7 +117,8 @@ SPECS: tuple[SettingSpec, ...] = (
                 "blocks (the rest dropped, counted), and fails the process only if the write in flight then "
                 "has not returned TLLM_GDS_KV_CONTROL_GRACE_S later while its finished request waits (its "
                 "pages cannot be freed before the write ends). A save can thus end up to twice this plus the "
-                "grace after it was accepted: keep that under TensorRT-LLM's transfer timeout.", _positive),
+                "grace after it was accepted: keep that under TensorRT-LLM's transfer timeout (checked at "
+                "start-up where TensorRT-LLM exposes it).", _positive),
     SettingSpec("max_queued_save_bytes", 4 << 30, parse_size, "Bytes of saves accepted and not yet done "
                 "(queued or being written) per worker; saves beyond it are dropped (counted), never queued. "
                 "It bounds the KV pages finished requests hold while their saves wait, and how long a save "

@@ -54,6 +54,28 @@ RequestData = _bound["RequestData"]
 BAD_PAGE_INDEX = -1
 
 
+# TensorRT-LLM's own deadline for a connector transfer: module constants of py_executor (the second
+# is an earlier name), configurable as kv_connector_config.transfer_timeout_sec where PR #19369 landed.
+_EXECUTOR_MODULE = "tensorrt_llm._torch.pyexecutor.py_executor"
+_TIMEOUT_CONSTANTS = ("_KV_CONNECTOR_TRANSFER_TIMEOUT_SEC", "_KV_CONNECTOR_LOAD_TIMEOUT_SEC")
+
+
+def transfer_timeout_s(llm_args: object) -> float | None:
+    """How long TensorRT-LLM lets a connector transfer run before it fails the process, where this
+    version says: ``kv_connector_config.transfer_timeout_sec``, else the executor module's constant
+    (read only if the executor already imported it); None when neither is found."""
+    value = getattr(getattr(llm_args, "kv_connector_config", None), "transfer_timeout_sec", None)
+    if not _positive_number(value):
+        executor = sys.modules.get(_EXECUTOR_MODULE)
+        value = next((v for v in (getattr(executor, n, None) for n in _TIMEOUT_CONSTANTS) if _positive_number(v)),
+                     None)
+    return float(value) if value is not None else None
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def mpi_rank() -> int:
     """This process's global rank: TensorRT-LLM's view when available, else the launcher's env."""
     if SOURCE != "gds_kv_connector.trtllm_mirror":

@@ -23,7 +23,7 @@ from .settings import Settings, SettingsError
 from .stats import Stats
 from .trace_ranges import check_mode, trace_range, traced
 from .transfers import TransferManager
-from .trtllm_api import KvCacheConnectorWorker, mpi_rank
+from .trtllm_api import KvCacheConnectorWorker, mpi_rank, transfer_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any, *, fileops: FileOps | None = None) -> None:
         super().__init__(llm_args)
         self.settings = Settings.load_from()
+        _check_deadline_fits(self.settings, transfer_timeout_s(llm_args))
         check_mode(self.settings.trace)
         self.config = read_llm_args(llm_args, self.settings.model_id)
         self.stats = Stats()
@@ -182,3 +183,19 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         event = torch.cuda.Event()
         event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
         return event
+
+
+def _check_deadline_fits(settings: Settings, trtllm_timeout_s: float | None) -> None:
+    """A save may end up to twice the connector's deadline plus the control grace after it was
+    accepted (queued, then writing); past TensorRT-LLM's own transfer timeout the process fails
+    before the connector can drop the save, so slow storage would cost the process, not saves."""
+    if trtllm_timeout_s is None:
+        return
+    worst = 2 * settings.deadline_s + settings.control_grace_s
+    if worst >= trtllm_timeout_s:
+        raise SettingsError(
+            f"TLLM_GDS_KV_DEADLINE_S={settings.deadline_s:g} lets a save end up to {worst:g}s after it was accepted "
+            f"(queued up to the deadline, then writing up to it, plus TLLM_GDS_KV_CONTROL_GRACE_S="
+            f"{settings.control_grace_s:g}), not under TensorRT-LLM's transfer timeout of {trtllm_timeout_s:g}s: "
+            f"set TLLM_GDS_KV_DEADLINE_S below {(trtllm_timeout_s - settings.control_grace_s) / 2:g}")
+

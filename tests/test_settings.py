@@ -69,3 +69,28 @@ def test_every_setting_is_documented():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     assert [s.env for s in SPECS if f"`{s.env}`" not in readme] == []  # every variable has its README row
     assert parse_size("256KiB") == 262144 and parse_size("4M") == 4 << 20
+
+
+def test_a_deadline_that_outlasts_tensorrt_llms_transfer_timeout_is_refused(pool_env, monkeypatch):
+    """A save may end twice the deadline plus the grace after acceptance; past TensorRT-LLM's own
+    timeout the process would fail before the connector could drop it."""
+    import sys
+    from types import SimpleNamespace
+
+    from gds_kv_connector import GdsKvConnectorWorker
+    from gds_kv_connector.reference import fake_llm_args
+
+    la = fake_llm_args(16)
+    la.kv_connector_config = SimpleNamespace(transfer_timeout_sec=100)
+    with pytest.raises(SettingsError, match=r"DEADLINE_S=60 lets a save end up to 121s .* timeout of 100s: set "
+                                            r"TLLM_GDS_KV_DEADLINE_S below 49\.5"):
+        GdsKvConnectorWorker(la)
+    monkeypatch.setenv("TLLM_GDS_KV_DEADLINE_S", "45")
+    GdsKvConnectorWorker(la)  # 91 s fits
+    # a version without the setting: the executor module's constant, once the executor imported it
+    monkeypatch.setitem(sys.modules, "tensorrt_llm._torch.pyexecutor.py_executor",
+                        SimpleNamespace(_KV_CONNECTOR_LOAD_TIMEOUT_SEC=90))
+    with pytest.raises(SettingsError, match="timeout of 90s"):
+        GdsKvConnectorWorker(fake_llm_args(16))
+    monkeypatch.setenv("TLLM_GDS_KV_DEADLINE_S", "40")
+    GdsKvConnectorWorker(fake_llm_args(16))
