@@ -93,9 +93,9 @@ def read_owner_stats(root: str) -> dict[str, dict[str, Any]]:
         return out
     for name in names:
         stem = name[:-len(STATS_SUFFIX)]
-        if not name.endswith(STATS_SUFFIX) or not _good_name(stem):
+        if not name.endswith(STATS_SUFFIX) or not good_name(stem):
             continue
-        data = _load_json(os.path.join(d, name))
+        data = load_json(os.path.join(d, name))
         if isinstance(data, dict) and isinstance(data.get("counters"), dict):
             out[stem] = _checked(data, stem)
     return out
@@ -111,7 +111,9 @@ def live(entry: Mapping[str, Any], now_ns: int) -> bool:
     return now_ns - updated <= LIVE_INTERVALS * interval * 1e9
 
 
-def _load_json(path: str) -> Any:
+def load_json(path: str) -> Any:
+    """A stats file's JSON (a regular file under the size bound), or None when it cannot be read:
+    shared with the retired-owners archive, which reads and checks the same way."""
     try:
         fd, st = open_regular(path)
     except OSError:
@@ -145,20 +147,21 @@ def _checked(data: dict[str, Any], stem: str) -> dict[str, Any]:
         if not isinstance(raw, dict):
             invalid.append(name)
             return {}
-        good = {k: v for k, v in raw.items() if _good_name(k) and _good_int(v)}
-        invalid.extend(f"{name}.{k}" if _good_name(k) else f"{name}.?" for k in raw if k not in good)
+        good = {k: v for k, v in raw.items() if good_name(k) and good_int(v)}
+        invalid.extend(f"{name}.{k}" if good_name(k) else f"{name}.?" for k in raw if k not in good)
         return good
 
-    entry = {"owner": field("owner", _good_name, stem), "host": field("host", _good_name),
-             "pid": field("pid", lambda v: _good_int(v) and 0 < v < 2**31),
-             "started_ns": field("started_ns", _good_int), "updated_ns": field("updated_ns", _good_int),
+    entry = {"owner": field("owner", good_name, stem), "host": field("host", good_name),
+             "pid": field("pid", lambda v: good_int(v) and 0 < v < 2**31),
+             "started_ns": field("started_ns", good_int), "updated_ns": field("updated_ns", good_int),
              "interval_s": field("interval_s", _good_interval), "final": field("final", _is_bool, False),
              "counters": numbers("counters"), "gauges": numbers("gauges")}
     entry["invalid"] = sorted(set(invalid))
     return entry
 
 
-def _good_int(v: Any) -> bool:
+def good_int(v: Any) -> bool:
+    """A counter as stats files hold it: a non-negative int under the bound (not a bool)."""
     return type(v) is int and 0 <= v < MAX_VALUE
 
 
@@ -170,7 +173,7 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
-def _good_name(v: Any) -> bool:
+def good_name(v: Any) -> bool:
     """Names end up in text output: printable (no line breaks, no undecodable bytes) and short."""
     return isinstance(v, str) and 0 < len(v) <= MAX_NAME_LEN and v.isprintable()
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .atomic_file import atomic_write
-from .metrics import STATS_SUFFIX, _good_int, _good_name, _load_json, read_owner_stats
+from .metrics import STATS_SUFFIX, good_int, good_name, load_json, read_owner_stats
 from .pool_scan import owners_dir
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ def read_retired(root: str) -> RetiredOwners | None:
     path = retired_path(root)
     if not os.path.lexists(path):
         return RetiredOwners()
-    data = _load_json(path)
-    if not isinstance(data, dict) or data.get("version") != RETIRED_VERSION or not _good_int(data.get("retired")):
+    data = load_json(path)
+    if not isinstance(data, dict) or data.get("version") != RETIRED_VERSION or not good_int(data.get("retired")):
         return None
     counters, folded = data.get("counters"), data.get("folded")
     if not (_good_numbers(counters) and _good_numbers(folded)):
@@ -101,4 +101,4 @@ def fold_retired_owners(root: str, names: Sequence[str], now: float) -> list[str
 
 
 def _good_numbers(values: object) -> bool:
-    return isinstance(values, dict) and all(_good_name(k) and _good_int(v) for k, v in values.items())
+    return isinstance(values, dict) and all(good_name(k) and good_int(v) for k, v in values.items())
