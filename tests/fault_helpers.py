@@ -109,6 +109,19 @@ def fault_timeout(request):
 
 
 # -- content and pools --------------------------------------------------------------------------
+def count_writes(engine) -> list[int]:
+    """Wrap a POSIX engine's per-item write so ``[n]`` counts the items written so far: an
+    ``in_time`` reading it stops a batch after a chosen number of writes, whatever the timing."""
+    written = [0]
+    write_one = engine._write_one
+
+    def counted(item) -> None:
+        write_one(item)
+        written[0] += 1
+    engine._write_one = counted
+    return written
+
+
 def expected_payload(key: bytes, n: int = PAYLOAD_LEN) -> bytes:
     """The bytes every writer of ``key`` stores: a pure function of the key (so any reader can check)."""
     return hashlib.shake_128(b"payload:" + key).digest(n)

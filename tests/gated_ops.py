@@ -95,6 +95,23 @@ class GatedOps(FileOps):
         return super().preadv(fd, buf, offset)
 
 
+def wait_until(cond, what: str = "the condition") -> None:
+    end = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < end, f"waited {WAIT_S}s for {what}"
+        time.sleep(0.001)
+
+
+def release_when(cond, gates: list[Gate]) -> None:
+    """Open the gates from another thread once ``cond()`` holds (a fence or shutdown has marked a
+    batch stopped, say), while this thread blocks in the call that sets it."""
+    def run() -> None:
+        wait_until(cond)
+        for gate in gates:
+            gate.release()
+    threading.Thread(target=run, daemon=True).start()
+
+
 class GatedRig:
     """A TransferManager over a fresh pool, every file operation through one :class:`GatedOps`."""
 
@@ -125,6 +142,14 @@ class GatedRig:
         self.tm.submit_saves([op], None)
         assert gate.started.wait(WAIT_S)
         return op, gate
+
+    def writing(self, ops: list[SaveOp], held: list[bytes]) -> list[Gate]:
+        """Submit ``ops`` together with the first write of each ``held`` key held, once every one of
+        those writes has begun (two held keys occupy the rig engine's two I/O threads); their gates."""
+        gates = [self.ops.hold(k) for k in held]
+        self.tm.submit_saves(ops, None)
+        assert all(g.started.wait(WAIT_S) for g in gates)
+        return gates
 
     def poll(self, finished=(), loading=()) -> tuple[list[int], list[int]]:
         saved, loaded = self.tm.poll(list(finished), list(loading))

@@ -24,6 +24,9 @@ from gds_kv_connector.pool_format import (REF_HEADER_SIZE, ZERO_KEY, FormatError
                                           parse_ref, parse_refs)
 from gds_kv_connector.settings import Settings, SettingsError
 
+pytest.register_assert_rewrite("fault_helpers")
+import fault_helpers as fh  # noqa: E402  (after the register, so its asserts are rewritten)
+
 FP = hashlib.sha256(b"arena-test").digest()
 
 
@@ -542,13 +545,7 @@ def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expir
     """A save past its deadline stops between blocks: on disk slabs the slots left unwritten go back
     to the arena and count as expired, not failed; mapped slots are a memory copy, never stopped."""
     engine = PosixEngine(io_threads=1)  # one write at a time: the deadline passes after the second
-    written_so_far = [0]
-    write_one = engine._write_one
-
-    def counted(item):
-        write_one(item)
-        written_so_far[0] += 1
-    engine._write_one = counted
+    written_so_far = fh.count_writes(engine)
     pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
     pool.arena = _arena(pool, engine, 8, 8, 0.0)
     pool.arena.start(background=False)

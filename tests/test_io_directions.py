@@ -156,13 +156,7 @@ def test_posix_writes_not_started_in_time_are_not_written(tmp_path):
     engine = PosixEngine(io_threads=1)  # one write at a time: the deadline passes after the first
     paths = _files(tmp_path, "save", 3, 1)
     fds = _open(paths, os.O_WRONLY)
-    written = [0]
-    write_one = engine._write_one
-
-    def counted(item):
-        write_one(item)
-        written[0] += 1
-    engine._write_one = counted
+    written = fh.count_writes(engine)
     try:
         errors = engine.write([TransferItem(fd, PAGE, torch.full((PAYLOAD,), 90, dtype=torch.uint8)) for fd in fds],
                               lambda: written[0] < 1)

@@ -22,7 +22,7 @@ import torch
 
 pytest.register_assert_rewrite("fault_helpers", "gated_ops")
 import fault_helpers as fh  # noqa: E402
-from gated_ops import WAIT_S, GatedOps  # noqa: E402
+from gated_ops import WAIT_S, GatedOps, release_when, wait_until  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.metadata import LoadOp  # noqa: E402
@@ -72,17 +72,9 @@ def test_a_running_save_of_reset_requests_only_stops_between_blocks(rig):
     they are skipped, and the wait ends with the writes in flight."""
     r = rig()  # two I/O threads
     op = r.save_op(1, "stopped", 4, first_block=0)
-    gates = [r.ops.hold(k) for k in op.keys[:2]]
-    r.tm.submit_saves([op], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
-
-    def release_once_stopped():
-        end = time.monotonic() + WAIT_S
-        while not any(b.stopped for b in list(r.tm._inflight)) and time.monotonic() < end:
-            time.sleep(0.001)
-        for g in gates:
-            g.release()
-    threading.Thread(target=release_once_stopped, daemon=True).start()
+    gates = r.writing([op], op.keys[:2])
+    batch = r.tm._inflight[0]
+    release_when(lambda: batch.stopped, gates)
     r.tm.fence([1])
     assert [r.pool.contains(k) for k in op.keys] == [True, True, False, False]
     assert not any(r.ops.did_move(k) for k in op.keys[2:])
@@ -95,9 +87,8 @@ def test_a_running_save_of_reset_requests_only_stops_between_blocks(rig):
 def test_a_running_save_shared_with_another_request_is_not_stopped(rig):
     r = rig()  # two I/O threads, both held on request 1's blocks: request 2's wait in the queue
     a, b = r.save_op(1, "shared", 2, first_block=0), r.save_op(2, "shared", 2, first_block=2)
-    gates = [r.ops.hold(k) for k in a.keys]
-    r.tm.submit_saves([a, b], None)
-    assert len(r.tm._inflight) == 1 and all(g.started.wait(WAIT_S) for g in gates)  # one batch, running
+    gates = r.writing([a, b], a.keys)
+    assert len(r.tm._inflight) == 1  # one batch, running
     assert not any(r.ops.did_move(k) for k in b.keys)
     for g in gates:
         threading.Timer(0.05, g.release).start()
@@ -111,9 +102,7 @@ def test_a_shared_running_save_stops_once_each_of_its_requests_was_reset(rig):
     """request_reset fences each request on its own (wait=False): the batch stops at the second."""
     r = rig()
     a, b = r.save_op(1, "both", 2, first_block=0), r.save_op(2, "both", 2, first_block=2)
-    gates = [r.ops.hold(k) for k in a.keys]
-    r.tm.submit_saves([a, b], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([a, b], a.keys)
     batch = r.tm._inflight[0]
     r.tm.fence([1], wait=False)
     assert not batch.stopped
@@ -133,12 +122,10 @@ def test_a_stopped_save_does_not_wait_for_another_requests_stuck_writes(rig):
     instead of waiting in the engine's queue for request 2's."""
     r = rig(TLLM_GDS_KV_TRANSFER_THREADS="2")
     other = r.save_op(2, "stuck", 6, first_block=0)
-    gates = [r.ops.hold(k) for k in other.keys[:2]]
-    r.tm.submit_saves([other], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([other], other.keys[:2])
     mine = r.save_op(1, "reset", 4, first_block=8)
     r.tm.submit_saves([mine], None)
-    _wait_until(lambda: r.tm._inflight[1].future.running())
+    wait_until(lambda: r.tm._inflight[1].future.running())
     t0 = time.monotonic()
     r.tm.fence([1])
     assert time.monotonic() - t0 < WAIT_S / 2  # before: until request 2's writes were let go
@@ -151,23 +138,14 @@ def test_a_stopped_save_does_not_wait_for_another_requests_stuck_writes(rig):
     assert all(r.pool.contains(k) for k in other.keys)
 
 
-def _wait_until(cond) -> None:
-    end = time.monotonic() + WAIT_S
-    while not cond():
-        assert time.monotonic() < end
-        time.sleep(0.002)
-
-
 def test_shutdown_stops_a_running_save_between_blocks(rig):
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="0.2")
     op = r.save_op(1, "shut", 4, first_block=0)
-    gates = [r.ops.hold(k) for k in op.keys[:2]]
-    r.tm.submit_saves([op], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([op], op.keys[:2])
     assert r.tm.shutdown()["stuck"] == 1
     for g in gates:
         g.release()
-    _wait_until(lambda: r.tm._inflight[0].future.done())
+    wait_until(lambda: r.tm._inflight[0].future.done())
     assert not any(r.ops.did_move(k) for k in op.keys[2:])  # their pages were never read after shutdown
 
 
@@ -175,16 +153,9 @@ def test_what_a_save_stopped_by_shutdown_wrote_and_dropped_is_counted(rig):
     """No poll follows shutdown: it settles the batches that ended within the grace itself."""
     r = rig(TLLM_GDS_KV_CONTROL_GRACE_S="5")
     op = r.save_op(1, "shut", 4, first_block=0)
-    gates = [r.ops.hold(k) for k in op.keys[:2]]
-    r.tm.submit_saves([op], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([op], op.keys[:2])
     batch = r.tm._inflight[0]
-
-    def release_once_stopped():
-        _wait_until(lambda: batch.stopped)
-        for g in gates:
-            g.release()
-    threading.Thread(target=release_once_stopped, daemon=True).start()
+    release_when(lambda: batch.stopped, gates)
     assert r.tm.shutdown()["stuck"] == 0
     stats = r.stats.snapshot()
     assert stats["blocks_saved"] == 2 and stats["save_blocks_dropped_at_shutdown"] == 2

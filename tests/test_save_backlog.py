@@ -11,14 +11,13 @@ running or queued transfers are held with gates the tests open (``gated_ops``).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 pytest.register_assert_rewrite("fault_helpers", "gated_ops")
 import fault_helpers as fh  # noqa: E402
-from gated_ops import WAIT_S  # noqa: E402
+from gated_ops import WAIT_S, release_when, wait_until  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker, transfers  # noqa: E402
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.fileops import FileOps  # noqa: E402
@@ -105,9 +104,7 @@ def test_a_running_save_stops_between_blocks_at_its_deadline(rig, clock):
     before, the process failed a deadline after the save started."""
     r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))  # the rig's engine has 2 I/O threads
     op = r.save_op(1, "slow", 4, first_block=0)
-    gates = [r.ops.hold(k) for k in op.keys[:2]]  # both I/O threads writing; blocks 3 and 4 wait for one
-    r.tm.submit_saves([op], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([op], op.keys[:2])  # both I/O threads writing; blocks 3 and 4 wait for one
     assert r.poll(finished=[1]) == ([], [])
     clock(DEADLINE * 1.2)
     for g in gates:
@@ -126,15 +123,12 @@ def test_blocks_dropped_at_the_deadline_stay_counted_so_when_a_reset_follows(rig
     not make those blocks fenced ones."""
     r = rig(TLLM_GDS_KV_DEADLINE_S=str(DEADLINE))
     op = r.save_op(1, "late", 4, first_block=0)
-    gates = [r.ops.hold(k) for k in op.keys[:2]]
-    r.tm.submit_saves([op], None)
-    assert all(g.started.wait(WAIT_S) for g in gates)
+    gates = r.writing([op], op.keys[:2])
     clock(DEADLINE * 1.2)
     batch = r.tm._inflight[0]
     gates[0].release()
-    while batch.stop_cause == "":  # the freed thread found the deadline passed at block 3
-        time.sleep(0.002)
-    threading.Timer(0.05, gates[1].release).start()
+    wait_until(lambda: batch.stop_cause != "", "the freed thread to find the deadline passed at block 3")
+    release_when(lambda: batch.stopped, gates[1:])
     r.tm.fence([1])
     stats = r.stats.snapshot()
     assert stats["save_blocks_dropped_deadline"] == 2 and "fenced_blocks_skipped" not in stats
