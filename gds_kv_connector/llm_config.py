@@ -17,6 +17,9 @@ class EngineConfig:
     precision: str = "model=auto kv=auto kv_quant=none"
     # NVFP4 KV keeps per-block scales in a pool of its own, which the connector does not move
     kv_fp4: bool = False
+    # context parallelism: each rank holds part of a sequence's KV (and the TP shard is no longer
+    # the MPI rank modulo tp_size), so a block keyed by its prefix would be a fragment
+    cp_size: int = 1
 
     @property
     def sharded_attention(self) -> bool:
@@ -38,6 +41,9 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
     if tp is None:
         tp = getattr(getattr(llm_args, "parallel_config", None), "tp_size", 1)
     adp = bool(getattr(llm_args, "enable_attention_dp", False))
+    cp = getattr(llm_args, "context_parallel_size", None)
+    if cp is None:
+        cp = getattr(getattr(llm_args, "parallel_config", None), "cp_size", 1)
     model = model_id_override
     if not model:
         model = str(getattr(llm_args, "model", "") or "unknown-model")
@@ -48,7 +54,7 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
         raise ValueError(f"tokens_per_block must be positive, got {tpb}")
     precision = _precision(llm_args, kv_cfg)
     kv_part = precision.split(" ", 1)[1].lower()  # "kv=... kv_quant=...": the model dtype is not the KV's
-    return EngineConfig(int(tpb), int(tp or 1), adp, model, precision, "fp4" in kv_part)
+    return EngineConfig(int(tpb), int(tp or 1), adp, model, precision, "fp4" in kv_part, int(cp or 1))
 
 
 def _precision(llm_args: Any, kv_cfg: Any) -> str:

@@ -66,6 +66,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.kv is not None:
             raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
         cfg = self.config
+        if cfg.cp_size > 1:
+            raise LayoutError(f"gds-kv-connector: context parallelism (cp_size={cfg.cp_size}) splits each sequence's KV "
+                              "across ranks, so a rank's block is a fragment of the prefix's KV and its TP shard is "
+                              "not its MPI rank modulo tp_size: not supported; run with cp_size 1")
         if cfg.kv_fp4:
             raise LayoutError(f"gds-kv-connector: an NVFP4 KV cache ({cfg.precision}) keeps its block scales in a "
                               "pool of their own, which the connector does not save or load: a loaded block would "

@@ -366,3 +366,21 @@ def test_an_nvfp4_kv_cache_is_refused(pool_env, where):
     w = GdsKvConnectorWorker(llm_args)
     w.register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
     w.shutdown()
+
+
+@pytest.mark.parametrize("where", ["llm_args", "parallel_config"])
+def test_context_parallelism_is_refused(pool_env, where):
+    """Under CP each rank holds part of a sequence's KV: a block saved under its prefix's key would
+    be a fragment, and loaded by another layout, the wrong one."""
+    llm_args = fake_llm_args(SHAPE.tokens_per_block)
+    if where == "llm_args":
+        llm_args.context_parallel_size = 2
+    else:
+        llm_args.parallel_config = SimpleNamespace(tp_size=1, cp_size=2)
+    with pytest.raises(LayoutError, match=r"context parallelism \(cp_size=2\)"):
+        GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
+    llm_args.context_parallel_size = 1
+    llm_args.parallel_config = SimpleNamespace(tp_size=1, cp_size=1)
+    w = GdsKvConnectorWorker(llm_args)
+    w.register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
+    w.shutdown()
