@@ -30,9 +30,6 @@ class PosixEngine(IoEngine):
         self._sums = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-c")
 
     def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
-        if in_time is None:
-            return run_all(self._writes, lambda it: _capture(self._write_one, it), items)
-
         def write_in_time(it: TransferItem) -> None:
             expired_check(in_time)
             self._write_one(it)

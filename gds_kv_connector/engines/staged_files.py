@@ -48,6 +48,12 @@ RegisterFn = Callable[[int, int, bool], None]
 UnregisterFn = Callable[[int], None]
 
 
+def _unpinned(exc: BaseException) -> BaseException:
+    """An I/O error without its traceback, whose frames hold slices of the stage (a FileOps.preadv's
+    buffer argument): kept by the caller, it would pin the stage's mapping (BufferError on release)."""
+    return exc.with_traceback(None)
+
+
 def plan_chunks(sizes: list[int], stage_bytes: int) -> tuple[int, list[range]]:
     """Slot pitch (the largest payload, page-aligned) and the item ranges that fit the stage
     together; a stage smaller than one slot still takes one item at a time (it is grown)."""
@@ -245,9 +251,7 @@ class StagedFileIo:
                     self.ops.close(dfd)
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
-            # Its traceback would keep the frames of the calls that got slices of the stage (a
-            # FileOps.preadv's buffer argument): kept by the caller, it would pin the stage's mapping.
-            return exc.with_traceback(None)
+            return _unpinned(exc)
         finally:
             buf.release()
 
@@ -281,8 +285,6 @@ class StagedFileIo:
                     item.header[:] = buf[k * job.pitch:k * job.pitch + lead]
             return None
         except BaseException as exc:  # noqa: BLE001 - reported per item to the caller
-            # Its traceback would keep the frames of the calls that got slices of the stage (a
-            # FileOps.preadv's buffer argument): kept by the caller, it would pin the stage's mapping.
-            return exc.with_traceback(None)
+            return _unpinned(exc)
         finally:
             buf.release()
