@@ -19,7 +19,7 @@ import torch
 
 from .checksum import CHECKSUM_ALGO
 from . import native
-from .engines.base import InTime, IoEngine, TransferItem, WriteExpired
+from .engines.base import InTime, IoEngine, ReadStopped, TransferItem, WriteExpired
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
 
@@ -53,6 +53,15 @@ class LoadFailure(RuntimeError):
         super().__init__(f"block {key.hex()} ({path}): {reason}")
         self.key, self.path, self.reason = key, path, reason
         self.request_id: int | None = None  # set by the transfer layer when the batch held several requests
+
+
+class LoadStopped(Exception):
+    """A load stopped between blocks by its ``in_time`` (no request of it will use the blocks): not a
+    failure; ``blocks`` of it were not read, and its views hold no KV anyone may use."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__(f"load stopped with {blocks} block(s) not read")
+        self.blocks = blocks
 
 
 def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
@@ -282,8 +291,12 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
 
 
 def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[torch.Tensor], *,
-                verify: bool, retries: int, deadline: float) -> int:
-    """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read."""
+                verify: bool, retries: int, deadline: float, in_time: InTime | None = None) -> int:
+    """Read pinned blocks into views and verify them; raises LoadFailure. Returns bytes read.
+    With ``in_time``, reads not started once it returns False are skipped and the load raises
+    :class:`LoadStopped` (the blocks will not be used, so they are neither read nor checked)."""
+    if in_time is not None and not in_time():
+        raise LoadStopped(len(pins))
     expected: list[int] = [0] * len(pins)  # payload checksum each header promises
     arena = pool.arena
     slot_pins = [n for n, pin in enumerate(pins) if pin.slot is not None]
@@ -305,7 +318,7 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
     # engine can), the header checked after; a failed load is reported either way, before any KV is used.
     read_pins = [n for n, pin in enumerate(pins) if pin.slot is None] if mapped_pins else list(range(len(pins)))
     headers = {n: bytearray(HEADER_SIZE) for n in read_pins}
-    _read_pinned(pool, engine, pins, views, headers, read_pins, retries, deadline)
+    _read_pinned(pool, engine, pins, views, headers, read_pins, retries, deadline, in_time)
     for n in read_pins:
         pin = pins[n]
         try:
@@ -336,9 +349,10 @@ def load_blocks(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[
 
 
 def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list[torch.Tensor],
-                 headers: dict[int, bytearray], which: list[int], retries: int, deadline: float) -> None:
+                 headers: dict[int, bytearray], which: list[int], retries: int, deadline: float,
+                 in_time: InTime | None = None) -> None:
     """Read header and payload of ``pins[n]`` for n in ``which``, retrying transient errors after
-    a growing pause (RETRY_PAUSE_S)."""
+    a growing pause (RETRY_PAUSE_S); :class:`LoadStopped` once ``in_time`` stopped a read."""
     items: dict[int, TransferItem] = {}
     for n in which:
         pin = pins[n]
@@ -367,10 +381,13 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
     attempt = 0
     pending = which
     while pending:
-        errors = engine.read([items[n] for n in pending])
+        errors = engine.read([items[n] for n in pending], in_time)
         failed = [(n, e) for n, e in zip(pending, errors) if e is not None]
         if not failed:
             return
+        stopped = sum(isinstance(e, ReadStopped) for _, e in failed)
+        if stopped:
+            raise LoadStopped(stopped)
         n, err = failed[0]
         transient = isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS
         if not transient or attempt >= retries or time.monotonic() >= deadline:

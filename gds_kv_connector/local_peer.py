@@ -25,6 +25,9 @@ class PeerInfo:
     # The worker's TransferManager.fence: request_reset takes a reset request's queued transfers out
     # at once (wait=False); the worker's start_load_kv waits for its running ones before the forward.
     fence: Callable[..., None]
+    # The worker's TransferManager.cancel_loads: cancel_load of a whole offer already handed over
+    # stops its load at once, since TensorRT-LLM gives a cancelled request's transfers a short grace.
+    cancel_loads: Callable[..., None]
     stats: Any
     # The worker's view of its own shard: the scheduler matches through it, so a block this process
     # saved is found in its in-memory index instead of with a stat(2) per key.

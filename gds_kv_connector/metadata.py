@@ -33,6 +33,9 @@ class GdsKvMetadata:
     # Requests reset (V2 ``request_reset``) since the last metadata, under plain TP: every rank's
     # worker fences their transfers in start_load_kv, before the forward that may reuse their pages.
     resets: list[int] = field(default_factory=list)
+    # Requests whose whole offer, already handed to the workers, was cancelled (V2 ``cancel_load``)
+    # since the last metadata, under plain TP: every rank's worker stops their loads in start_load_kv.
+    cancels: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.resets)
+        return bool(self.loads or self.saves or self.resets or self.cancels)

@@ -55,6 +55,7 @@ class _Request:
     load_range: tuple[int, int] = (0, 0)  # blocks [first, end) loaded from the pool
     pending_load: tuple[int, list[bytes], bool] | None = None  # (first block, keys, async)
     sync_loaded_tokens: int = 0
+    async_load: bool = False  # an asynchronous load of it was handed to the workers (cancel_load may stop it)
     reported: bool = False
     dispatched: bool = False  # a save or load was handed to the worker
 
@@ -139,6 +140,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._reqs: dict[int, _Request] = {}
         self._out_loads: list[LoadOp] = []
         self._out_resets: list[int] = []  # reset requests the workers fence at the next metadata (plain TP)
+        self._out_cancels: list[int] = []  # requests whose handed-over load the workers stop (plain TP)
         self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
@@ -320,15 +322,18 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         st.load_range = (first, first + n)  # every block of the offer is in the pool: none is saved again
         if kept:
             st.kv_end = max(st.kv_end, (first + kept) * tpb)
-        if not is_async:
+        if is_async:
+            st.async_load = True
+        else:
             st.sync_loaded_tokens = kept * tpb
         st.dispatched = True
 
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """V2: the runtime will not use offered tokens ``[start, end)`` (their pages could not be
         allocated, or the request ended before a batch).  The blocks of the offer that overlap them
-        are not loaded, the others still are; a load already handed to the workers
-        (``build_connector_meta`` ran) is left to finish, as the contract allows."""
+        are not loaded, the others still are.  A load already handed to the workers
+        (``build_connector_meta`` ran) is left to finish, as the contract allows, unless the cut
+        covers its whole offer (:meth:`_stop_handed_over`)."""
         rid = _request_id(request)
         st = self._reqs.get(rid)
         if st is None or end <= start:
@@ -340,6 +345,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             return
         queued = self._unqueue_loads(rid)
         if not queued:
+            self._stop_handed_over(st, start, end)
             return
         where = {k: b for b, k in enumerate(st.keys)}
         first, end_block = st.load_range
@@ -349,6 +355,25 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 pages[where[k] - first] = page
         st.kv_end = st.sync_loaded_tokens = 0  # nothing was reported yet: only the load had set them
         self._queue_load(st, first, st.keys[first:end_block], pages, queued[0].is_async, [(start, end)])
+
+    def _stop_handed_over(self, st: _Request, start: int, end: int) -> None:
+        """Stop an asynchronous load already handed to the workers whose whole offer the runtime
+        will not use (the parked request was cancelled, timed out or failed): TensorRT-LLM waits for
+        the load before it frees the pages, and after a cancel for only its control grace (about a
+        second) before it fails the process, while a long prompt's load from disk can take many.
+        Its queued blocks are dropped and its running reads stop between blocks
+        (``TransferManager.cancel_loads``); the request is reported loaded once they have.  A cut of
+        part of the offer leaves the load to finish: the blocks it keeps must arrive."""
+        first, end_block = st.load_range
+        tpb = self._tpb
+        if not st.async_load or start > first * tpb or end < end_block * tpb:
+            return
+        st.async_load = False
+        st.kv_end = min(st.kv_end, first * tpb)  # nothing of the offer may count as computed now
+        if self._sole_worker:
+            self._connect().cancel_loads([st.rid])
+        else:
+            self._out_cancels.append(st.rid)
 
     def request_reset(self, request: Any) -> None:
         """V2: the allocation was released and the request replays from scratch; its pages may hold
@@ -387,13 +412,15 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._fold_reports(scheduler_output.new_requests, True, saves)
         self._fold_reports(scheduler_output.cached_requests, False, saves)
         self._flush_match_counts()
-        loads, resets = self._out_loads, self._out_resets
-        if not loads and not saves and not resets:
+        loads, resets, cancels = self._out_loads, self._out_resets, self._out_cancels
+        if not loads and not saves and not resets and not cancels:
             return None
         self._out_loads = []
         if resets:
             self._out_resets = []
-        return GdsKvMetadata(loads, saves, resets)
+        if cancels:
+            self._out_cancels = []
+        return GdsKvMetadata(loads, saves, resets, cancels)
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Collection
 
-from .block_io import LoadFailure, SaveOutcome, load_blocks, pin_blocks, save_blocks
+from .block_io import LoadFailure, LoadStopped, SaveOutcome, load_blocks, pin_blocks, save_blocks
 from .engines.base import IoEngine
 from .kv_layout import KvPool
 from .metadata import LoadOp, SaveOp
@@ -65,9 +65,11 @@ class _Batch:
     event: Any
     deadline: float
     started: float = 0.0  # when a transfer thread took it (0 until then)
-    stopped: bool = False  # a running save whose every request was reset (or shutdown): it stops between blocks
-    stop_cause: str = ""  # why its in_time first said no: "stopped" or "deadline"
-    fenced: set[int] = field(default_factory=set)  # requests in it reset while it ran
+    # A running batch none of whose requests needs it any more (each reset, or for a load each offer
+    # cancelled; or shutdown): it stops between blocks
+    stopped: bool = False
+    stop_cause: str = ""  # a save: why its in_time first said no, "stopped" or "deadline"; a load: "cancel" or "fence"
+    fenced: set[int] = field(default_factory=set)  # requests in it that stopped needing it while it ran
 
     @property
     def shared(self) -> bool:
@@ -252,7 +254,7 @@ class TransferManager:
                 if saving:  # its deadline counts from its start (its time queued was the storage's, not its own)
                     future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s)))
                 else:
-                    future.set_result(self._run_load(op, batch.event, batch.deadline))
+                    future.set_result(self._run_load(op, batch.event, batch.deadline, _load_in_time(batch)))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
             finally:
@@ -260,7 +262,7 @@ class TransferManager:
                     with lock:
                         self._saving -= 1
 
-    def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float) -> int:
+    def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float, in_time: Callable[[], bool]) -> int:
         with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
             _wait_event(event)
             try:
@@ -268,7 +270,7 @@ class TransferManager:
                 try:
                     views = self.kv.block_views(op.block_ids)
                     return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
-                                       retries=self.settings.read_retries, deadline=deadline)
+                                       retries=self.settings.read_retries, deadline=deadline, in_time=in_time)
                 finally:
                     self.pool.unpin_all(pins)
             except LoadFailure as exc:
@@ -312,6 +314,9 @@ class TransferManager:
                                        f"passed its {self.settings.deadline_s:.1f}s deadline") from None
             except LoadFailure as exc:
                 raise self._load_failure(rid, exc) from None
+            except LoadStopped as exc:  # every request in it was reset while it ran
+                self._count_stopped_load(batch, exc)
+                continue
             self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=batch.nbytes)
 
     @property
@@ -382,12 +387,20 @@ class TransferManager:
                 self._save_bytes -= batch.nbytes
                 self._account_save(batch, cancelled, exc)
             elif kind == "load":
-                if exc is not None:
+                if isinstance(exc, LoadStopped):
+                    self._count_stopped_load(batch, exc)
+                elif exc is not None:
                     for op in batch.run:  # a fenced request's failure concerns pages it no longer holds
                         failed.setdefault(op.request_id, exc)
                 elif not cancelled:
                     self.stats.add_many(loads_async=len(batch.run), bytes_loaded=batch.nbytes)
         self._inflight = still
+
+    def _count_stopped_load(self, batch: _Batch, exc: LoadStopped) -> None:
+        """A load stopped between blocks: its unread blocks under the cause that stopped it."""
+        name = {"cancel": "load_blocks_cancelled", "fence": "fenced_blocks_skipped"}.get(
+            batch.stop_cause, "load_blocks_dropped_at_shutdown")
+        self.stats.add(name, exc.blocks)
 
     def _loads_done(self, rid: int, now: float) -> bool:
         left = self._pending_loads.get(rid)
@@ -503,33 +516,16 @@ class TransferManager:
         requests' keys, and a load would write into another request's KV, silently wrong answers
         either way, which is worse than a crash.
         Their counts stay as they are and drain as the batches settle, so a request is still
-        reported once, whether or not TensorRT-LLM goes on to pass it again.  Without ``wait`` only
-        the queued ops are taken out (``request_reset`` itself, which must not raise: TensorRT-LLM
-        treats exceptions as fatal only from the worker's callbacks; ``start_load_kv`` waits)."""
+        reported once, whether or not TensorRT-LLM goes on to pass it again.  Without ``wait`` the
+        queued ops are taken out and running batches marked, but nothing is waited for (``request_reset``
+        itself, which must not raise: TensorRT-LLM treats exceptions as fatal only from the worker's
+        callbacks; ``start_load_kv`` waits)."""
         rids = set(request_ids)
         for rid in rids:  # a failed load of theirs concerns pages they no longer hold
             self._load_failed.pop(rid, None)
-        pending = self._pending
-        if not any(rid in pending for rid in rids):
+        if not any(rid in self._pending for rid in rids):
             return
-        running: list[_Batch] = []
-        skipped = 0
-        with self._start_lock:  # no batch starts while it is filtered
-            for batch in self._inflight:
-                run = batch.run
-                if batch.future.done() or not any(op.request_id in rids for op in run):
-                    continue
-                if batch.future.running():
-                    running.append(batch)
-                    if batch.kind == "save":  # stopped once every request in it was reset, by one fence or several
-                        batch.fenced |= rids
-                        batch.stopped = batch.stopped or all(op.request_id in batch.fenced for op in run)
-                    continue
-                keep = [op for op in run if op.request_id not in rids]
-                skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)
-                batch.run = keep
-                if not keep:
-                    batch.future.cancel()
+        skipped, running = self._take_out(rids, ("save", "load", "sync"), "fence")
         if not wait:
             self.stats.add("fenced_blocks_skipped", skipped)
             return
@@ -561,6 +557,45 @@ class TransferManager:
         for rid in rids:  # and one that settled while it waited
             self._load_failed.pop(rid, None)
 
+    def cancel_loads(self, request_ids: Collection[int]) -> None:
+        """``cancel_load`` of whole offers already handed over: the requests will not use the blocks,
+        and TensorRT-LLM waits for their loads to end before it frees the pages, after a cancel for
+        at most its control grace (then it fails the process).  Their queued loads are taken out of
+        their batches, and a running load all of whose requests were cancelled stops between blocks
+        (``load_blocks_cancelled``); a running load shared with a request that still wants its blocks
+        runs on.  The requests are reported loaded as their batches settle, as usual."""
+        rids = {rid for rid in request_ids if self._pending_loads.get(rid)}
+        if rids:
+            skipped, _ = self._take_out(rids, ("load",), "cancel")
+            self.stats.add("load_blocks_cancelled", skipped)
+
+    def _take_out(self, rids: set[int], kinds: tuple[str, ...], cause: str) -> tuple[int, list[_Batch]]:
+        """Take the ops of ``rids`` out of batches of ``kinds`` not started yet (one left empty is
+        cancelled; other requests' ops in it still run) and mark each running one of theirs stopped
+        once every request in it is out, by this call or earlier ones: (blocks taken out, their
+        running batches)."""
+        running: list[_Batch] = []
+        skipped = 0
+        with self._start_lock:  # no batch starts while it is filtered
+            for batch in self._inflight:
+                run = batch.run
+                if batch.kind not in kinds or batch.future.done() or not any(op.request_id in rids for op in run):
+                    continue
+                if batch.future.running():
+                    running.append(batch)
+                    batch.fenced |= rids
+                    if not batch.stopped and all(op.request_id in batch.fenced for op in run):
+                        batch.stopped = True
+                        if batch.kind != "save":  # a save's in_time records its own cause
+                            batch.stop_cause = cause
+                    continue
+                keep = [op for op in run if op.request_id not in rids]
+                skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)
+                batch.run = keep
+                if not keep:
+                    batch.future.cancel()
+        return skipped, running
+
     def cancel_queued(self, rid: int) -> int:
         """Drop transfers of a request that have not started; in-flight ones, and batches it shares
         with other requests (cancelling one would drop theirs), run to completion."""
@@ -570,13 +605,13 @@ class TransferManager:
         return dropped
 
     def shutdown(self) -> dict[str, int]:
-        """Stop accepting work, drop queued batches, stop running saves between blocks, wait for
-        in-flight transfers up to the control grace."""
+        """Stop accepting work, drop queued batches, stop running transfers between blocks, wait for
+        in-flight ones up to the control grace."""
         self._closed = True
-        with self._start_lock:  # no batch starts meanwhile; running saves start no further block
+        with self._start_lock:  # no batch starts meanwhile; running transfers start no further block
             dropped = sum(1 for b in self._inflight if not b.future.done() and b.future.cancel())
             for batch in self._inflight:
-                if batch.kind == "save" and batch.future.running():
+                if batch.future.running():
                     batch.stopped = True
         while not self._inbox.empty():  # saves of finished requests handed over after the last poll
             dropped_saves = self._inbox.get_nowait()
@@ -623,6 +658,11 @@ def _save_in_time(batch: _Batch, deadline_s: float) -> Callable[[], bool]:
             batch.stop_cause = "stopped" if stopped else "deadline"
         return False
     return in_time
+
+
+def _load_in_time(batch: _Batch) -> Callable[[], bool]:
+    """A running load's ``in_time``: False once it is stopped (no request of it needs its blocks)."""
+    return lambda: not batch.stopped
 
 
 def _fan_out(pool: ThreadPoolExecutor, runners: int, run: Callable[[], None]) -> None:

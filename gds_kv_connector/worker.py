@@ -104,7 +104,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved, record_event=self._record_event)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
-                                          self.transfers.fence, self.stats, self.pool))
+                                          self.transfers.fence, self.transfers.cancel_loads, self.stats, self.pool))
         arena = self.pool.arena
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s), %s", kv.num_blocks,
                  kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe(),
@@ -114,12 +114,15 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     # -- per iteration ----------------------------------------------------------------------------
     @traced("worker/start_load_kv", "yellow")
     def start_load_kv(self, stream: Any) -> None:
-        """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``): the
-        executor runs this before every forward, the one that may give their pages to another
-        request included (an override of bind_connector_meta cost every iteration a call)."""
+        """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``), and
+        stops the loads of offers cancelled after they were handed over (``cancels``): the executor
+        runs this before every forward, the one that may give their pages to another request
+        included (an override of bind_connector_meta cost every iteration a call)."""
         meta = self._metadata
         if not isinstance(meta, GdsKvMetadata):
             return
+        if meta.cancels:
+            self.transfers.cancel_loads(meta.cancels)
         if meta.resets:
             self.transfers.fence(meta.resets)
         if meta.loads:

@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device command that records a commit's GPU results: the GPU suite (doctor, gpu tests, six demos),
-# a full bench on /dev/shm, a disk-arena bench and a small load timed under saves (load_under_saves.py),
+# a full bench on /dev/shm, a disk-arena bench, a small load timed under saves (load_under_saves.py)
+# and a cancelled 1 GiB load from disk (cancel_latency.py),
 # each log and JSON under $OUT.  About 5 minutes on an H200
 # host; each part has its own time limit, so one that hangs cannot take the others' time.
 #
@@ -49,3 +50,9 @@ for arena in 0 4GiB; do
       --dir /tmp/lus --arena $arena --save-limit 12GiB >> "$OUT/load-under-saves.jsonl" 2>&1
 done
 echo "load under saves rc $? in $((SECONDS - T0)) s"; cat "$OUT/load-under-saves.jsonl"
+
+T0=$SECONDS
+mkdir -p /tmp/cancel
+timeout 60 python profiling/cancel_latency.py --block 2MiB --blocks 512 --rounds 3 --cancel-after-ms 50 \
+    --io-threads 4 --dir /tmp/cancel > "$OUT/cancel-latency.json" 2>&1
+echo "cancel latency rc $? in $((SECONDS - T0)) s"; cat "$OUT/cancel-latency.json"

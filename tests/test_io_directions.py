@@ -21,7 +21,7 @@ pytest.register_assert_rewrite("fault_helpers")
 import fault_helpers as fh  # noqa: E402
 
 from gds_kv_connector.checksum import checksum_bytes  # noqa: E402
-from gds_kv_connector.engines.base import TransferItem, WriteExpired  # noqa: E402
+from gds_kv_connector.engines.base import ReadStopped, TransferItem, WriteExpired  # noqa: E402
 from gds_kv_connector.engines.kvikio_engine import run_windowed  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from gds_kv_connector.engines.staged_files import StagedFileIo  # noqa: E402
@@ -272,7 +272,9 @@ def test_kvikio_window_bounds_the_futures_in_flight_and_settles_each_item():
     assert errors[3].errno == errno.EIO and "short write" in str(errors[6])
 
 
-def test_kvikio_writes_not_started_by_the_deadline_are_not_started():
+@pytest.mark.parametrize("write,stopped", [(True, WriteExpired), (False, ReadStopped)])
+def test_kvikio_transfers_not_started_by_the_stop_are_not_started(write, stopped):
+    """A save past its deadline, or a load whose request will not use it: no further I/O starts."""
     started: list[int] = []
     items = _items(6)
 
@@ -281,7 +283,50 @@ def test_kvikio_writes_not_started_by_the_deadline_are_not_started():
             return PAYLOAD
     index = {id(it): k for k, it in enumerate(items)}
     calls = itertools.count()
-    errors = run_windowed(items, lambda it: started.append(index[id(it)]) or Done(), 2, True,
+    errors = run_windowed(items, lambda it: started.append(index[id(it)]) or Done(), 2, write,
                           lambda: next(calls) < 3)
     assert started == [0, 1, 2]
-    assert errors[:3] == [None] * 3 and all(isinstance(e, WriteExpired) for e in errors[3:])
+    assert errors[:3] == [None] * 3 and all(isinstance(e, stopped) for e in errors[3:])
+
+
+# -- reads stop too: a load whose request will not use it (cancel_load of a handed-over offer, a reset) --
+def test_staged_reads_not_started_when_stopped_are_not_read(tmp_path):
+    """One slot a chunk: the first chunk is read and copied to its view, then the load is stopped:
+    the other items are neither read nor copied, their views keep what they held."""
+    io = StagedFileIo(_to_host, _from_host, lambda *a: None, lambda *a: None, io_threads=THREADS,
+                      stage_bytes=PAGE + PAYLOAD)
+    paths = _files(tmp_path, "load", 4, 1)
+    fds = _open(paths, os.O_RDONLY)
+    views = [torch.full((PAYLOAD,), 200, dtype=torch.uint8) for _ in range(4)]
+    calls = itertools.count()
+    try:
+        errors = io.read([TransferItem(fd, PAGE, v) for fd, v in zip(fds, views)], lambda: next(calls) < 2)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        io.close()
+    assert errors[0] is None and all(isinstance(e, ReadStopped) for e in errors[1:])
+    assert [bytes(v[:1].numpy()) for v in views] == [bytes([1]), bytes([200]), bytes([200]), bytes([200])]
+
+
+def test_posix_reads_not_started_when_stopped_are_not_read(tmp_path):
+    engine = PosixEngine(io_threads=1)  # one read at a time: the stop comes after the first
+    paths = _files(tmp_path, "load", 3, 1)
+    fds = _open(paths, os.O_RDONLY)
+    read = [0]
+    real = engine._read_one
+
+    def counted(it):
+        real(it)
+        read[0] += 1
+    engine._read_one = counted
+    views = [torch.full((PAYLOAD,), 200, dtype=torch.uint8) for _ in range(3)]
+    try:
+        errors = engine.read([TransferItem(fd, PAGE, v) for fd, v in zip(fds, views)], lambda: read[0] < 1)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        engine.close()
+    assert errors[0] is None and all(isinstance(e, ReadStopped) for e in errors[1:])
+    assert [bytes(v[:1].numpy()) for v in views] == [bytes([1]), bytes([200]), bytes([200])]
+

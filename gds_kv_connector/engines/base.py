@@ -32,18 +32,32 @@ class TransferItem:
     header: bytes | bytearray | None = None
 
 
-#: ``IoEngine.write``'s ``in_time``: called before each I/O starts; False once the batch's deadline passed
+#: ``IoEngine.write``'s and ``read``'s ``in_time``: called before each I/O starts; False once the
+#: batch was stopped (a save's deadline, a fence, a load whose request will not use it)
 InTime = Callable[[], bool]
 
 
-class WriteExpired(Exception):
-    """An item not written because its batch's deadline passed before its I/O could start: a save
-    on storage slower than its deadline stops between blocks instead of holding its request's pages."""
+class TransferStopped(Exception):
+    """An item not moved because its batch was stopped before its I/O could start."""
 
 
-def expired_check(in_time: InTime | None) -> None:
-    """Raise :class:`WriteExpired` where ``in_time`` says the deadline passed."""
+class WriteExpired(TransferStopped):
+    """An item not written because its batch's deadline passed (or a fence stopped it) before its I/O
+    could start: a save on storage slower than its deadline stops between blocks instead of holding
+    its request's pages."""
+
+
+class ReadStopped(TransferStopped):
+    """An item not read because its load was stopped before its I/O could start: the request will not
+    use those tokens (``cancel_load`` of the whole offer, or a reset), and TensorRT-LLM waits for the
+    load to end before it frees the pages, for at most its control grace after a cancel."""
+
+
+def expired_check(in_time: InTime | None, reading: bool = False) -> None:
+    """Raise :class:`WriteExpired` (:class:`ReadStopped` when ``reading``) where ``in_time`` says no."""
     if in_time is not None and not in_time():
+        if reading:
+            raise ReadStopped("the load was stopped before this block's read started")
         raise WriteExpired("the save's deadline passed before this block's write started")
 
 
@@ -52,13 +66,13 @@ STOP_POLL_S = 0.05
 
 
 def run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], jobs: list[Any],
-            in_time: InTime | None = None) -> list[Any]:
+            in_time: InTime | None = None, reading: bool = False) -> list[Any]:
     """``fn(job)`` for every job on ``pool`` (a batch of one job runs on the caller), results in order.
 
     With ``in_time``, jobs still queued in the pool once it returns False are cancelled, their
-    result a :class:`WriteExpired`: the pool is shared with other batches, whose writes queued
-    ahead may be stuck, and a stopped save must not wait for them.  ``fn`` reports errors as its
-    result and checks ``in_time`` itself before it starts."""
+    result a :class:`WriteExpired` (:class:`ReadStopped` when ``reading``): the pool is shared with
+    other batches, whose I/O queued ahead may be stuck, and a stopped batch must not wait for it.
+    ``fn`` reports errors as its result and checks ``in_time`` itself before it starts."""
     if len(jobs) <= 1:
         return [fn(job) for job in jobs]
     futures = [pool.submit(fn, job) for job in jobs]
@@ -70,7 +84,8 @@ def run_all(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], jobs: list[Any],
                 for future in pending:
                     future.cancel()
                 break
-    return [WriteExpired("the save was stopped while this write waited for an I/O thread") if f.cancelled()
+    stopped = ReadStopped if reading else WriteExpired
+    return [stopped("the transfer was stopped while this I/O waited for a thread") if f.cancelled()
             else f.result() for f in futures]
 
 
@@ -102,8 +117,9 @@ class IoEngine(ABC):
         items whose I/O has not started once it returns False are not written (:class:`WriteExpired`)."""
 
     @abstractmethod
-    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        """Read every item fully; a short file is an error of that item."""
+    def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        """Read every item fully; a short file is an error of that item.  With ``in_time``, items whose
+        I/O has not started once it returns False are not read (:class:`ReadStopped`)."""
 
     @abstractmethod
     def checksums(self, views: list[torch.Tensor], load: bool = False) -> list[int]:

@@ -144,8 +144,8 @@ class KvikioEngine(IoEngine):
     def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         return self._transfer(items, write=True, in_time=in_time)
 
-    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._transfer(items, write=False)
+    def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        return self._transfer(items, write=False, in_time=in_time)
 
     def checksums(self, views: list[torch.Tensor], load: bool = False) -> list[int]:
         from ..gpu_checksum import checksums_device
@@ -235,7 +235,7 @@ class KvikioEngine(IoEngine):
                 return [_as_error(exc) for _ in items]
         staged = self._staged_io()
         if staged is not None:
-            return staged.write(items, in_time) if write else staged.read(items)
+            return staged.write(items, in_time) if write else staged.read(items, in_time)
         flags = "r+" if write else "r"
         handles: dict[int, Any] = {}  # one per descriptor: slots of one arena slab share it
 
@@ -279,7 +279,7 @@ def run_windowed(items: list[TransferItem], start: Callable[[TransferItem], Any]
     KvikIO's thread pool is one FIFO queue for every caller: a save batch handed over whole would
     put a load's reads behind all of its writes, and a deadline could stop none of them.  Twice the
     pool's threads in flight per call keeps every thread busy.  Items not started once ``in_time``
-    returns False fail with :class:`~.base.WriteExpired`."""
+    returns False fail with :class:`~.base.WriteExpired` (:class:`~.base.ReadStopped` for reads)."""
     results: list[BaseException | None] = [None] * len(items)
     pending: collections.deque[tuple[int, Any]] = collections.deque()
     try:
@@ -288,7 +288,7 @@ def run_windowed(items: list[TransferItem], start: Callable[[TransferItem], Any]
                 _settle(pending[0], items, results, write)
                 pending.popleft()
             try:
-                expired_check(in_time)
+                expired_check(in_time, reading=not write)
                 pending.append((i, start(item)))
             except Exception as exc:  # noqa: BLE001 - reported per item
                 results[i] = _as_error(exc)

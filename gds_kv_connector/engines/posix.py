@@ -35,8 +35,11 @@ class PosixEngine(IoEngine):
             self._write_one(it)
         return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
 
-    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return run_all(self._reads, lambda it: _capture(self._read_one, it), items)
+    def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        def read_in_time(it: TransferItem) -> None:
+            expired_check(in_time, reading=True)
+            self._read_one(it)
+        return run_all(self._reads, lambda it: _capture(read_in_time, it), items, in_time, reading=True)
 
     def _write_one(self, it: TransferItem) -> None:
         data = _host_bytes(it.view)

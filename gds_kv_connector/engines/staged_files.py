@@ -96,7 +96,7 @@ class _Job:
     sizes: list[int]
     buf: memoryview
     pitch: int
-    in_time: InTime | None = None  # a write checks it before it starts
+    in_time: InTime | None = None  # checked before the I/O starts
 
     @property
     def start(self) -> int:
@@ -144,8 +144,8 @@ class StagedFileIo:
     def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         return self._run(items, write=True, in_time=in_time)
 
-    def read(self, items: list[TransferItem]) -> list[BaseException | None]:
-        return self._run(items, write=False)
+    def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+        return self._run(items, write=False, in_time=in_time)
 
     def close(self) -> None:
         self._writes.shutdown(wait=True)
@@ -176,14 +176,14 @@ class StagedFileIo:
             if not chunk:
                 continue
             pairs = [(stage.addr + k * pitch + leads[i], items[i].view) for k, i in enumerate(chunk)]
-            if write:
-                try:
-                    expired_check(in_time)  # the chunk's pages are not even read: its items stay unwritten
+            try:
+                expired_check(in_time, reading=not write)  # stopped: the chunk's pages are not touched
+                if write:
                     self._to_host(pairs, pitch)
-                except Exception as exc:  # noqa: BLE001 - every item of the chunk fails with it
-                    for i in chunk:
-                        results[i] = exc
-                    continue
+            except Exception as exc:  # noqa: BLE001 - every item of the chunk fails with it
+                for i in chunk:
+                    results[i] = exc
+                continue
             runs = plan_runs([(items[i].fd, items[i].offset - leads[i], spans[i]) for i in chunk], pitch,
                              self._max_io_bytes)
             jobs = [_Job([items[i] for i in chunk[lo:hi]], [leads[i] for i in chunk[lo:hi]],
@@ -192,10 +192,10 @@ class StagedFileIo:
                     for lo, hi in runs]
             if write:
                 run_errors = run_all(self._writes, self._write_one, jobs, in_time)
-                for job in jobs:  # a job cancelled before it ran still holds its view of the stage
-                    job.buf.release()
             else:
-                run_errors = run_all(self._reads, self._read_one, jobs)
+                run_errors = run_all(self._reads, self._read_one, jobs, in_time, reading=True)
+            for job in jobs:  # a job cancelled before it ran still holds its view of the stage
+                job.buf.release()
             errors = [err for (lo, hi), err in zip(runs, run_errors) for _ in range(hi - lo)]
             for i, err in zip(chunk, errors):
                 results[i] = err
@@ -263,6 +263,7 @@ class StagedFileIo:
         only a read of nothing ends the file early."""
         buf = job.buf
         try:
+            expired_check(job.in_time, reading=True)
             fd = job.items[0].fd
             dfd = self._direct_fd(fd, os.O_RDONLY)
             start = job.start

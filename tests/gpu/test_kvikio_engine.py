@@ -240,3 +240,32 @@ def test_a_deadline_stops_the_writes_not_started(engine, tmp_path):
     for i, path in enumerate(paths):
         want = bytes(views[i].cpu().numpy()) if i in written else bytes(views[i].numel())
         assert _payload(path) == want
+
+
+def test_a_stop_ends_the_reads_not_started(engine, tmp_path):
+    """A load stopped between blocks (cancel_load of its whole offer, or a reset): each path checks
+    before each read it starts (the staged path also before each chunk), the rest fail with
+    ReadStopped, and their views keep what they held."""
+    from gds_kv_connector.engines.base import ReadStopped
+
+    pool = _pool("uint8", 10, 1, 8192)
+    views = [_block_bytes(pool, b) for b in range(10)]
+    torch.cuda.synchronize()
+    paths, errors = _save(engine, str(tmp_path), views)
+    assert errors == [None] * 10
+    back = torch.full_like(pool, 7)
+    fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in paths]
+    calls = itertools.count()
+    try:
+        errors = engine.read([TransferItem(fd, HEADER, _block_bytes(back, b)) for b, fd in enumerate(fds)],
+                             lambda: next(calls) < 3)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    torch.cuda.synchronize()
+    read = [i for i, e in enumerate(errors) if e is None]
+    assert 1 <= len(read) <= 3
+    assert all(isinstance(errors[i], ReadStopped) for i in range(10) if i not in read)
+    for b in range(10):
+        want = pool[b] if b in read else torch.full_like(pool[b], 7)
+        assert torch.equal(back[b], want), f"block {b}"

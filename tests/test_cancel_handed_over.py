@@ -1,0 +1,170 @@
+"""``cancel_load`` of a whole offer already handed to the workers stops the parked request's load.
+
+TensorRT-LLM waits for a cancelled request's transfers before it frees its pages, and after a
+cancel only for its control grace (about a second) before it fails the process, while a long
+prompt's load from disk can take many seconds.  So a load whose requests will not use it stops:
+its queued blocks are never read, a running one reads no further block, and the request is
+reported loaded, not failed.  A load shared with a request that still wants its blocks runs on, and
+a reset (``fence``) stops a running load of its own the same way.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.register_assert_rewrite("fault_helpers", "gated_ops")
+import fault_helpers as fh  # noqa: E402
+import gated_ops as go  # noqa: E402
+from connector_helpers import SHAPE, make_executor, rand_tokens, serve  # noqa: E402
+from gds_kv_connector import GdsKvConnectorScheduler  # noqa: E402
+from gds_kv_connector.metadata import LoadOp  # noqa: E402
+from gds_kv_connector.reference import SimRequest  # noqa: E402
+
+pytest_plugins = ["fault_helpers"]
+TPB = SHAPE.tokens_per_block
+
+
+@pytest.fixture
+def gated(tmp_path):
+    r = go.GatedRig(str(tmp_path / "pool"), num_blocks=32)  # one transfer thread, two I/O threads
+    yield r
+    r.close()
+
+
+def _saved(r: go.GatedRig, rid: int, tag: str, n: int, first_block: int) -> tuple[bytes, ...]:
+    """``n`` blocks in the pool, saved by request ``rid``; the record of moved files cleared after."""
+    op = r.save_op(rid, tag, n, first_block)
+    r.tm.submit_saves([op], None)
+    r.poll(finished=[rid])
+    r.poll_until(want_saved=[rid])
+    r.ops.moved.clear()
+    return op.keys
+
+
+def _page(r: go.GatedRig, block: int) -> bytes:
+    return r.kv.block_view(block).numpy().tobytes()
+
+
+def test_a_cancelled_request_s_queued_load_is_never_read(gated):
+    a = _saved(gated, 1, "a", 4, 0)
+    b = _saved(gated, 2, "b", 2, 4)
+    gate = gated.ops.hold(b[0])
+    gated.tm.submit_loads([LoadOp(12, b, (20, 21), True)], None)
+    assert gate.started.wait(go.WAIT_S)  # running on the one transfer thread
+    gated.tm.submit_loads([LoadOp(11, a, (10, 11, 12, 13), True)], None)  # queued behind it
+    gated.poll(loading=[11, 12])
+    gated.tm.cancel_loads([11])
+    gate.release()
+    gated.poll_until(want_loaded=[11, 12])
+    assert not any(gated.ops.did_move(k) for k in a)
+    assert [_page(gated, p) for p in (20, 21)] == [fh.expected_payload(k) for k in b]
+    snap = gated.stats.snapshot()
+    assert snap.get("load_blocks_cancelled") == 4 and not snap.get("load_failures")
+    assert (gated.tm._inflight, gated.tm._pending, gated.tm._pending_loads) == ([], {}, {})
+
+
+def test_a_cancelled_request_s_running_load_reads_no_further_block(gated):
+    keys = _saved(gated, 1, "run", 6, 0)
+    gates = [gated.ops.hold(k) for k in keys[:2]]  # both I/O threads busy with the first two blocks
+    gated.tm.submit_loads([LoadOp(11, keys, tuple(range(10, 16)), True)], None)
+    assert all(g.started.wait(go.WAIT_S) for g in gates)
+    gated.poll(loading=[11])
+    gated.tm.cancel_loads([11])
+    for g in gates:
+        g.release()
+    gated.poll_until(want_loaded=[11])
+    assert [gated.ops.did_move(k) for k in keys] == [True, True, False, False, False, False]
+    snap = gated.stats.snapshot()
+    assert snap.get("load_blocks_cancelled") == 4 and not snap.get("load_failures")
+
+
+def test_a_load_shared_with_a_request_that_still_wants_it_runs_on(gated):
+    a = _saved(gated, 1, "sa", 2, 0)
+    b = _saved(gated, 2, "sb", 2, 2)
+    gate = gated.ops.hold(a[0])
+    gated.tm.submit_loads([LoadOp(11, a, (10, 11), True), LoadOp(12, b, (12, 13), True)], None)
+    assert len(gated.tm._inflight) == 1 and gate.started.wait(go.WAIT_S)  # one batch, running
+    gated.poll(loading=[11, 12])
+    gated.tm.cancel_loads([11])
+    gate.release()
+    gated.poll_until(want_loaded=[11, 12])
+    assert [_page(gated, p) for p in (10, 11, 12, 13)] == [fh.expected_payload(k) for k in (*a, *b)]
+    snap = gated.stats.snapshot()
+    assert not snap.get("load_blocks_cancelled") and snap.get("loads_async") == 2
+
+
+def test_cancelling_a_request_without_a_load_in_flight_changes_nothing(gated):
+    keys = _saved(gated, 1, "none", 2, 0)
+    gated.tm.cancel_loads([11, 99])  # nothing submitted for either
+    gated.tm.submit_loads([LoadOp(11, keys, (10, 11), True)], None)
+    gated.poll(loading=[11])
+    gated.poll_until(want_loaded=[11])
+    assert [_page(gated, p) for p in (10, 11)] == [fh.expected_payload(k) for k in keys]
+
+
+def test_a_reset_stops_its_running_load_instead_of_waiting_for_every_block(gated):
+    keys = _saved(gated, 1, "fence", 6, 0)
+    gates = [gated.ops.hold(k) for k in keys[:2]]
+    gated.tm.submit_loads([LoadOp(11, keys, tuple(range(10, 16)), True)], None)
+    assert all(g.started.wait(go.WAIT_S) for g in gates)
+    batch = gated.tm._inflight[0]
+    go.release_when(lambda: batch.stopped, gates)
+    gated.tm.fence([11])  # waits for the running load, which stops after its two reads in flight
+    assert batch.future.done()
+    assert [gated.ops.did_move(k) for k in keys] == [True, True, False, False, False, False]
+    gated.poll(loading=[11])
+    snap = gated.stats.snapshot()
+    assert snap.get("fenced_blocks_skipped") == 4 and not snap.get("load_failures")
+
+
+# -- the scheduler: which cancel_load stops a handed-over load, and how it reaches the workers ---------
+def _handed_over(ex, rid: int, prompt: list[int]) -> tuple[SimRequest, int]:
+    """A new request whose asynchronous load of the prompt's saved blocks went out in the metadata."""
+    req = SimRequest(rid, prompt)
+    req.tokens = list(prompt)
+    req.hold_tokens()
+    matched, is_async = ex.sched.get_num_new_matched_tokens(req, 0)
+    assert matched and is_async
+    ex.sched.update_state_after_alloc(req, list(range(200, 200 + len(prompt) // TPB + 1)))
+    meta = ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    assert [op.request_id for op in meta.loads] == [rid]
+    return req, matched
+
+
+@pytest.fixture
+def served(pool_env, monkeypatch):
+    monkeypatch.setenv("TLLM_GDS_KV_ASYNC_LOAD_BYTES", "1")  # every load asynchronous
+    ex = make_executor()
+    prompt = rand_tokens(6 * TPB + 3, seed=5)
+    serve(ex, [prompt])  # six full blocks saved
+    yield ex, prompt
+    ex.worker.shutdown()
+
+
+def test_only_a_cut_of_the_whole_handed_over_offer_stops_its_load(served, monkeypatch):
+    ex, prompt = served
+    calls: list[list[int]] = []
+    monkeypatch.setattr(ex.sched._connect(), "cancel_loads", lambda rids: calls.append(list(rids)))
+    req, matched = _handed_over(ex, 100, prompt)
+    ex.sched.cancel_load(req, TPB, matched)  # the tail only: the head must still arrive
+    assert calls == []
+    ex.sched.cancel_load(req, 0, matched)  # the whole offer (TP 1: the worker is told at once)
+    ex.sched.cancel_load(req, 0, matched)  # once is enough
+    assert calls == [[100]]
+    assert ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[])) is None
+
+
+def test_under_plain_tp_the_cancel_rides_in_the_next_metadata(served, monkeypatch):
+    ex, prompt = served
+    monkeypatch.setattr(GdsKvConnectorScheduler, "_sole_worker", property(lambda self: False))
+    stopped: list[list[int]] = []
+    monkeypatch.setattr(ex.worker.transfers, "cancel_loads", lambda rids: stopped.append(list(rids)))
+    req, matched = _handed_over(ex, 101, prompt)
+    ex.sched.cancel_load(req, 0, matched)
+    meta = ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    assert meta.cancels == [101] and not meta.loads
+    ex.worker.bind_connector_meta(meta)
+    ex.worker.start_load_kv(None)
+    assert stopped == [[101]]
