@@ -55,7 +55,8 @@ class _Request:
     load_range: tuple[int, int] = (0, 0)  # blocks [first, end) loaded from the pool
     pending_load: tuple[int, list[bytes], bool] | None = None  # (first block, keys, async)
     sync_loaded_tokens: int = 0
-    async_load: bool = False  # an asynchronous load of it was handed to the workers (cancel_load may stop it)
+    # blocks [lo, hi) of an asynchronous load of it handed to the workers, less the cuts since (cancel_load)
+    handed: tuple[int, int] | None = None
     reported: bool = False
     dispatched: bool = False  # a save or load was handed to the worker
 
@@ -303,27 +304,29 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         tpb = self._tpb
         n = len(keys)
         kept = n
+        blocks: Sequence[int] = range(first, first + n)  # the block index of each of keys
         if cut:
             drop = {b for s, e in cut for b in range(max(first, s // tpb), min(first + n, -(-e // tpb)))}
             if drop:
                 kept = min(drop) - first
-                keys = [k for i, k in enumerate(keys) if first + i not in drop]
-                ids = [b for i, b in enumerate(ids) if first + i not in drop]
+                keep = [i for i in range(n) if first + i not in drop]
+                keys, ids, blocks = [keys[i] for i in keep], [ids[i] for i in keep], [first + i for i in keep]
         if ids and min(ids) >= 0:
             op = LoadOp(st.rid, tuple(keys), tuple(ids), is_async)
         else:
-            pairs = [(k, b) for k, b in zip(keys, ids) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
-            if not pairs:
+            moved = [(k, b, x) for k, b, x in zip(keys, ids, blocks) if b >= 0]  # -1: no page (BAD_PAGE_INDEX)
+            if not moved:
                 if is_async:  # the runtime parked the request: an empty load tells the workers it is done
                     self._out_loads.append(LoadOp(st.rid, (), (), True))
                 return
-            op = LoadOp(st.rid, tuple(k for k, _ in pairs), tuple(b for _, b in pairs), is_async)
+            op = LoadOp(st.rid, tuple(k for k, _, _ in moved), tuple(b for _, b, _ in moved), is_async)
+            blocks = [x for _, _, x in moved]
         self._out_loads.append(op)
         st.load_range = (first, first + n)  # every block of the offer is in the pool: none is saved again
         if kept:
             st.kv_end = max(st.kv_end, (first + kept) * tpb)
         if is_async:
-            st.async_load = True
+            st.handed = (blocks[0], blocks[-1] + 1)
         else:
             st.sync_loaded_tokens = kept * tpb
         st.dispatched = True
@@ -362,14 +365,24 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         the load before it frees the pages, and after a cancel for only its control grace (about a
         second) before it fails the process, while a long prompt's load from disk can take many.
         Its queued blocks are dropped and its running reads stop between blocks
-        (``TransferManager.cancel_loads``); the request is reported loaded once they have.  A cut of
-        part of the offer leaves the load to finish: the blocks it keeps must arrive."""
-        first, end_block = st.load_range
-        tpb = self._tpb
-        if not st.async_load or start > first * tpb or end < end_block * tpb:
+        (``TransferManager.cancel_loads``); the request is reported loaded once they have.  The
+        blocks handed over are what counts (cuts before the hand-over are out already), and cuts of
+        its head and of its tail add up; a cut that leaves part of it lets the load finish: the
+        blocks the runtime keeps must arrive."""
+        if st.handed is None:
             return
-        st.async_load = False
-        st.kv_end = min(st.kv_end, first * tpb)  # nothing of the offer may count as computed now
+        tpb = self._tpb
+        lo, hi = st.handed
+        cut_lo, cut_hi = start // tpb, -(-end // tpb)  # the blocks the cut overlaps
+        if cut_lo <= lo:
+            lo = max(lo, cut_hi)
+        elif cut_hi >= hi:
+            hi = min(hi, cut_lo)
+        if lo < hi:
+            st.handed = (lo, hi)
+            return
+        st.handed = None
+        st.kv_end = min(st.kv_end, st.load_range[0] * tpb)  # nothing of the offer may count as computed now
         if self._sole_worker:
             self._connect().cancel_loads([st.rid])
         else:

@@ -107,6 +107,7 @@ class TransferManager:
         self._pending: dict[int, int] = {}  # request id -> its batches in flight, of any kind
         self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
         self._load_failed: dict[int, BaseException] = {}  # a failed async load, until its request is polled
+        self._dropped_loads: set[int] = set()  # requests whose whole handed-over offer was cancelled, until reported
         self._sync_loads: list[_Batch] = []
         self._queues: tuple[collections.deque[_Batch], ...] = (collections.deque(), collections.deque(),
                                                                collections.deque())
@@ -265,6 +266,8 @@ class TransferManager:
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float, in_time: Callable[[], bool]) -> int:
         with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
             _wait_event(event)
+            if not in_time():  # stopped while queued behind its event: not one file is opened
+                raise LoadStopped(len(op.keys))
             try:
                 pins = pin_blocks(self.pool, list(op.keys))
                 try:
@@ -312,12 +315,13 @@ class TransferManager:
                 raise ConnectorFailure(f"gds-kv-connector: synchronous load of request {rid} "
                                        f"({batch.nbytes} bytes from {self.pool.path_for(batch.ops[0].keys[0])}) "
                                        f"passed its {self.settings.deadline_s:.1f}s deadline") from None
-            except LoadFailure as exc:
-                raise self._load_failure(rid, exc) from None
-            except LoadStopped as exc:  # every request in it was reset while it ran
-                self._count_stopped_load(batch, exc)
-                continue
-            self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=batch.nbytes)
+            except Exception as exc:  # noqa: BLE001 - LoadFailure, or anything a transfer thread raised
+                if batch.stopped:  # no request in it needs it (reset, or shutdown): counted when it settles
+                    continue
+                if isinstance(exc, LoadFailure):
+                    raise self._load_failure(rid, exc) from None
+                raise
+            self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=self._run_bytes(batch))
 
     @property
     def has_sync_loads(self) -> bool:
@@ -356,6 +360,7 @@ class TransferManager:
                 if not self._pending_loads.get(rid, 1):  # loads it never waited for (it was not polled)
                     del self._pending_loads[rid]
                     self._load_failed.pop(rid, None)
+                    self._dropped_loads.discard(rid)
         return done_saving, done_loading
 
     def _settle_done(self) -> None:
@@ -386,21 +391,28 @@ class TransferManager:
             if kind == "save":
                 self._save_bytes -= batch.nbytes
                 self._account_save(batch, cancelled, exc)
+            elif exc is not None and not cancelled and batch.stopped:  # a load no request needs now
+                self._count_stopped_load(batch, exc)
             elif kind == "load":
-                if isinstance(exc, LoadStopped):
-                    self._count_stopped_load(batch, exc)
-                elif exc is not None:
-                    for op in batch.run:  # a fenced request's failure concerns pages it no longer holds
-                        failed.setdefault(op.request_id, exc)
+                if exc is not None:
+                    dropped = self._dropped_loads
+                    for op in batch.run:  # a fenced request's failure concerns pages it no longer holds,
+                        if op.request_id not in dropped:  # and a cancelled one's, tokens it will not use
+                            failed.setdefault(op.request_id, exc)
                 elif not cancelled:
-                    self.stats.add_many(loads_async=len(batch.run), bytes_loaded=batch.nbytes)
+                    self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch))
         self._inflight = still
 
-    def _count_stopped_load(self, batch: _Batch, exc: LoadStopped) -> None:
-        """A load stopped between blocks: its unread blocks under the cause that stopped it."""
+    def _run_bytes(self, batch: _Batch) -> int:
+        """Payload bytes of the ops a batch ran (those of requests taken out before it started are not)."""
+        return sum(len(op.keys) for op in batch.run) * self.pool.payload_len
+
+    def _count_stopped_load(self, batch: _Batch, exc: BaseException) -> None:
+        """A load stopped between blocks (or one that failed once stopped: its blocks will not be
+        used): its unread blocks, all of them for a failure, under the cause that stopped it."""
         name = {"cancel": "load_blocks_cancelled", "fence": "fenced_blocks_skipped"}.get(
             batch.stop_cause, "load_blocks_dropped_at_shutdown")
-        self.stats.add(name, exc.blocks)
+        self.stats.add(name, exc.blocks if isinstance(exc, LoadStopped) else sum(len(op.keys) for op in batch.run))
 
     def _loads_done(self, rid: int, now: float) -> bool:
         left = self._pending_loads.get(rid)
@@ -410,6 +422,7 @@ class TransferManager:
         if left:
             return False  # its batches' deadlines are checked in poll
         del self._pending_loads[rid]
+        self._dropped_loads.discard(rid)
         failed = self._load_failed.pop(rid, None)
         if failed is not None:
             raise self._load_failure(rid, failed)
@@ -506,12 +519,13 @@ class TransferManager:
 
         V2's ``request_reset``: the requests' pages were released, and the next forward may write
         another request's KV into them.  Their transfers not started yet are skipped (their ops are
-        taken out of shared batches, whose other requests' ops still run); a running save of theirs
-        alone stops between blocks; those already moving bytes are waited for, up to their deadline
-        (a running save's from its start, plus the control grace for the write in flight when it
-        stopped between blocks; a load's from its acceptance: where the next poll would fail the
-        process anyway), so storage that is slow, not stuck, costs the executor a wait (logged once
-        it passes the control grace), not the process.  One still running then raises ConnectorFailure, fatal to the process: a save
+        taken out of shared batches, whose other requests' ops still run); a running save or load of
+        theirs alone stops between blocks; those already moving bytes are waited for, up to their
+        deadline (a running save's from its start, plus the control grace for the write in flight
+        when it stopped between blocks; a load's from its acceptance: where the next poll would fail
+        the process anyway), so storage that is slow, not stuck, costs the executor a wait (logged
+        once it passes the control grace), not the process.  One still running then raises
+        ConnectorFailure, fatal to the process: a save
         reading pages that another request overwrites would publish that request's KV under these
         requests' keys, and a load would write into another request's KV, silently wrong answers
         either way, which is worse than a crash.
@@ -564,8 +578,11 @@ class TransferManager:
         their batches, and a running load all of whose requests were cancelled stops between blocks
         (``load_blocks_cancelled``); a running load shared with a request that still wants its blocks
         runs on.  The requests are reported loaded as their batches settle, as usual."""
+        for rid in request_ids:  # a failed load of theirs concerns tokens they will not use
+            self._load_failed.pop(rid, None)
         rids = {rid for rid in request_ids if self._pending_loads.get(rid)}
         if rids:
+            self._dropped_loads |= rids  # until reported: a block failing meanwhile fails nothing
             skipped, _ = self._take_out(rids, ("load",), "cancel")
             self.stats.add("load_blocks_cancelled", skipped)
 

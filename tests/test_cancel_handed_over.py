@@ -10,6 +10,8 @@ a reset (``fence``) stops a running load of its own the same way.
 
 from __future__ import annotations
 
+import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -119,6 +121,67 @@ def test_a_reset_stops_its_running_load_instead_of_waiting_for_every_block(gated
     assert snap.get("fenced_blocks_skipped") == 4 and not snap.get("load_failures")
 
 
+def test_a_block_failing_after_the_cancel_fails_nothing(gated):
+    """Both reads were in flight when the offer was cancelled, and one block turns out damaged: the
+    request will not use it, so it is reported loaded, not a ConnectorFailure from get_finished."""
+    keys = _saved(gated, 1, "rot", 2, 0)
+    gates = [gated.ops.hold(k) for k in keys]
+    gated.tm.submit_loads([LoadOp(11, keys, (10, 11), True)], None)
+    assert all(g.started.wait(go.WAIT_S) for g in gates)
+    gated.poll(loading=[11])
+    gated.tm.cancel_loads([11])
+    with open(gated.pool.path_for(keys[1]), "r+b") as f:  # damaged on storage while its read waits
+        f.seek(4096 + 10)
+        f.write(b"\xff\xfe\xfd")
+    for g in gates:
+        g.release()
+    gated.poll_until(want_loaded=[11])
+    snap = gated.stats.snapshot()
+    assert snap.get("load_blocks_cancelled") == 2 and not snap.get("load_failures")
+    assert not gated.tm._dropped_loads and not gated.tm._load_failed
+
+
+class _HeldEvent:
+    """The forward's CUDA event, held: the batch is running (a transfer thread took it) and waits."""
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def synchronize(self) -> None:
+        self.started.set()
+        assert self.go.wait(go.WAIT_S)
+
+
+def test_a_load_cancelled_while_it_waits_for_the_forward_opens_no_file(gated):
+    keys = _saved(gated, 1, "event", 3, 0)
+    event = _HeldEvent()
+    gated.tm.submit_loads([LoadOp(11, keys, (10, 11, 12), True)], event)
+    assert event.started.wait(go.WAIT_S)
+    gated.poll(loading=[11])
+    gated.tm.cancel_loads([11])
+    os.unlink(gated.pool.path_for(keys[2]))  # evicted meanwhile: pinning it would be a LoadFailure
+    event.go.set()
+    gated.poll_until(want_loaded=[11])
+    assert not any(gated.ops.did_move(k) for k in keys)
+    snap = gated.stats.snapshot()
+    assert snap.get("load_blocks_cancelled") == 3 and not snap.get("load_failures")
+
+
+def test_bytes_loaded_counts_only_the_blocks_of_requests_still_in_a_batch(gated):
+    a = _saved(gated, 1, "ba", 2, 0)
+    b = _saved(gated, 2, "bb", 4, 2)
+    gate = gated.ops.hold(a[0])
+    gated.tm.submit_loads([LoadOp(11, a, (10, 11), True)], None)
+    assert gate.started.wait(go.WAIT_S)
+    gated.tm.submit_loads([LoadOp(12, b[:2], (12, 13), True), LoadOp(13, b[2:], (14, 15), True)], None)
+    gated.poll(loading=[11, 12, 13])
+    gated.tm.cancel_loads([13])  # taken out of the queued batch it shares with request 12
+    gate.release()
+    gated.poll_until(want_loaded=[11, 12, 13])
+    snap = gated.stats.snapshot()
+    assert snap["bytes_loaded"] == 4 * gated.pool.payload_len and snap.get("load_blocks_cancelled") == 2
+
+
 # -- the scheduler: which cancel_load stops a handed-over load, and how it reaches the workers ---------
 def _handed_over(ex, rid: int, prompt: list[int]) -> tuple[SimRequest, int]:
     """A new request whose asynchronous load of the prompt's saved blocks went out in the metadata."""
@@ -154,6 +217,29 @@ def test_only_a_cut_of_the_whole_handed_over_offer_stops_its_load(served, monkey
     ex.sched.cancel_load(req, 0, matched)  # once is enough
     assert calls == [[100]]
     assert ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[])) is None
+
+
+@pytest.mark.parametrize("before,after", [
+    ([(3, 6)], [(0, 3)]),          # the tail cut before the hand-over: the rest is the whole of it
+    ([], [(0, 2), (2, 6)]),        # the head, then the tail, cut after it
+])
+def test_what_counts_is_the_part_handed_over(served, monkeypatch, before, after):
+    ex, prompt = served
+    calls: list[list[int]] = []
+    monkeypatch.setattr(ex.sched._connect(), "cancel_loads", lambda rids: calls.append(list(rids)))
+    req = SimRequest(102, prompt)
+    req.tokens = list(prompt)
+    req.hold_tokens()
+    matched, _ = ex.sched.get_num_new_matched_tokens(req, 0)
+    assert matched == 6 * TPB
+    for lo, hi in before:
+        ex.sched.cancel_load(req, lo * TPB, hi * TPB)
+    ex.sched.update_state_after_alloc(req, list(range(200, 208)))
+    assert ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[])).loads
+    for lo, hi in after:
+        assert calls == []
+        ex.sched.cancel_load(req, lo * TPB, hi * TPB)
+    assert calls == [[102]]
 
 
 def test_under_plain_tp_the_cancel_rides_in_the_next_metadata(served, monkeypatch):

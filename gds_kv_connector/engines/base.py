@@ -61,7 +61,8 @@ def expired_check(in_time: InTime | None, reading: bool = False) -> None:
         raise WriteExpired("the save's deadline passed before this block's write started")
 
 
-# How often a batch waiting for its queued writes asks whether it was stopped (its deadline, a fence)
+# How often a batch waiting for its queued I/O asks whether it was stopped (a save's deadline, a fence,
+# a cancelled load)
 STOP_POLL_S = 0.05
 
 
