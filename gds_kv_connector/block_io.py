@@ -19,7 +19,7 @@ import torch
 
 from .checksum import CHECKSUM_ALGO
 from . import native
-from .engines.base import InTime, IoEngine, ReadStopped, TransferItem, WriteExpired
+from .engines.base import InTime, IoEngine, Once, ReadStopped, TransferItem, ViewsRead, WriteExpired
 from .pool import BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
 
@@ -65,10 +65,22 @@ class LoadStopped(Exception):
 
 
 def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
-                views: list[torch.Tensor], in_time: InTime | None = None) -> SaveOutcome:
+                views: list[torch.Tensor], in_time: InTime | None = None,
+                views_read: ViewsRead | None = None) -> SaveOutcome:
     """Publish each (key, view) not yet in the pool; ``parents[i]`` is the key of the block before.
     With ``in_time``, blocks whose file write has not started once it returns False are left out
-    (``expired``): a save stops between blocks at its deadline instead of holding its pages."""
+    (``expired``): a save stops between blocks at its deadline instead of holding its pages.
+    ``views_read`` is called once no view will be read again: before the writes end where the
+    engine stages the bytes (the last ``engine.write`` gets it), at the latest before this returns."""
+    once = Once(views_read)
+    try:
+        return _save_blocks(pool, engine, keys, parents, views, in_time, once)
+    finally:
+        once()
+
+
+def _save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
+                 views: list[torch.Tensor], in_time: InTime | None, views_read: Once) -> SaveOutcome:
     out = SaveOutcome()
     if pool.arena is not None:
         # Only the in-memory index, no stat per key: a key published meanwhile loses at link(2) and
@@ -92,9 +104,9 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
             if pool.arena.mapped:  # a copy into host memory: nothing slow enough to stop
                 _save_to_arena(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)], slots,
                                now, out)
-            else:
+            else:  # the last write where every block got a slot; block files for the rest read views later
                 _save_to_slab_files(pool, engine, keys, parents, views, todo[:len(slots)], sums[:len(slots)],
-                                    slots, now, out, in_time)
+                                    slots, now, out, in_time, views_read if len(slots) == len(todo) else None)
             todo, sums = todo[len(slots):], sums[len(slots):]
             if not todo:
                 return out
@@ -112,7 +124,7 @@ def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: l
             opened.append((i, fd, tmp))
             packed.append(header.pack())
         errors = engine.write([TransferItem(fd, HEADER_SIZE, views[i], raw)
-                               for (i, fd, _), raw in zip(opened, packed)], in_time)
+                               for (i, fd, _), raw in zip(opened, packed)], in_time, views_read)
         while opened:
             (i, fd, tmp), err = opened.pop(0), errors.pop(0)
             if err is not None:
@@ -193,7 +205,7 @@ def _give_slots_back(arena: SlotArena, slots: list[tuple[str, int]], failed_keys
 
 def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
                         views: list[torch.Tensor], todo: list[int], sums: list[int], slots: list[tuple[str, int]],
-                        now: int, out: SaveOutcome, in_time: InTime | None) -> None:
+                        now: int, out: SaveOutcome, in_time: InTime | None, views_read: Once | None) -> None:
     """Slabs on disk: each slot's header and payload in one write at its offset (the engine joins
     adjacent slots into larger I/Os), then one reference file per slab.  A slot whose write failed
     is freed and its block counted failed."""
@@ -212,7 +224,7 @@ def _save_to_slab_files(pool: BlockPool, engine: IoEngine, keys: list[bytes], pa
         items.append(TransferItem(fd, arena.payload_offset(slot), views[i], header.pack()))
         written.append((i, (slab, slot)))
     try:
-        errors = engine.write(items, in_time) if items else []
+        errors = engine.write(items, in_time, views_read) if items else []
     except BaseException as exc:  # an engine that raises (staging registration, MemoryError): no slot written
         _give_slots_back(arena, [where for _, where in written], [keys[i] for i, _ in written], exc, out)
         return

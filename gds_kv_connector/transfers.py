@@ -70,6 +70,10 @@ class _Batch:
     stopped: bool = False
     stop_cause: str = ""  # a save: why its in_time first said no, "stopped" or "deadline"; a load: "cancel" or "fence"
     fenced: set[int] = field(default_factory=set)  # requests in it that stopped needing it while it ran
+    # A save whose pages will not be read again (the engine staged them; set on the transfer thread),
+    # and whether its requests' counts were taken off for that already (the executor thread, in poll)
+    views_done: bool = False
+    released: bool = False
 
     @property
     def shared(self) -> bool:
@@ -104,7 +108,9 @@ class TransferManager:
         self._load_lane.submit(int).result()  # its thread started now, not in an iteration that needs it
         self._saving = 0  # save batches running now (transfer threads that would not take a load)
         self._inflight: list[_Batch] = []  # in submission order, so by acceptance time
-        self._pending: dict[int, int] = {}  # request id -> its batches in flight, of any kind
+        # request id -> its batches in flight that may still touch its pages: every kind, a save until
+        # the engine has staged what it reads (then the request may be reported while the write runs)
+        self._pending: dict[int, int] = {}
         self._pending_loads: dict[int, int] = {}  # request id -> its asynchronous load batches in flight
         self._load_failed: dict[int, BaseException] = {}  # a failed async load, until its request is polled
         self._dropped_loads: set[int] = set()  # requests whose whole handed-over offer was cancelled, until reported
@@ -253,7 +259,8 @@ class TransferManager:
             op = run[0] if len(run) == 1 else _Merged(run)
             try:
                 if saving:  # its deadline counts from its start (its time queued was the storage's, not its own)
-                    future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s)))
+                    future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s),
+                                                     _views_done(batch)))
                 else:
                     future.set_result(self._run_load(op, batch.event, batch.deadline, _load_in_time(batch)))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
@@ -281,11 +288,12 @@ class TransferManager:
                     exc.request_id = op.owner_of(exc.key)
                 raise
 
-    def _run_save(self, op: SaveOp | _Merged, event: Any, in_time: Callable[[], bool]) -> SaveOutcome:
+    def _run_save(self, op: SaveOp | _Merged, event: Any, in_time: Callable[[], bool],
+                  views_read: Callable[[], None]) -> SaveOutcome:
         with trace_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
             _wait_event(event)
             views = self.kv.block_views(op.block_ids)
-            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time)
+            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time, views_read)
             if self._on_saved is not None and out.published:
                 self._on_saved(out.published * self.pool.file_size)
             return out
@@ -367,10 +375,13 @@ class TransferManager:
         """Account each batch that completed since the last poll, once, and take it off its
         requests' counts; a failed asynchronous load is kept for its requests' next poll."""
         still: list[_Batch] = []
-        pending, loads, failed = self._pending, self._pending_loads, self._load_failed
+        loads, failed = self._pending_loads, self._load_failed
         for batch in self._inflight:
             future = batch.future
             if not future.done():
+                if batch.views_done and not batch.released:  # a save writing from its stage: pages free
+                    batch.released = True
+                    self._uncount(batch)
                 still.append(batch)
                 continue
             cancelled = future.cancelled()
@@ -379,15 +390,11 @@ class TransferManager:
             if cancelled and kind != "save" and batch.run:  # its pages never got their KV (a fenced
                 # request's pages are no longer its own: nothing was owed to them)
                 exc = CancelledError(f"load batch of {len(batch.ops)} request(s) cancelled before it ran")
-            for op in batch.ops:
-                rid = op.request_id
-                left = pending[rid] - 1
-                if left:
-                    pending[rid] = left
-                else:
-                    del pending[rid]
-                if kind == "load":
-                    loads[rid] -= 1
+            if not batch.released:
+                self._uncount(batch)
+            if kind == "load":
+                for op in batch.ops:
+                    loads[op.request_id] -= 1
             if kind == "save":
                 self._save_bytes -= batch.nbytes
                 self._account_save(batch, cancelled, exc)
@@ -402,6 +409,17 @@ class TransferManager:
                 elif not cancelled:
                     self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch))
         self._inflight = still
+
+    def _uncount(self, batch: _Batch) -> None:
+        """Take the batch off its requests' counts of batches that may still touch their pages."""
+        pending = self._pending
+        for op in batch.ops:
+            rid = op.request_id
+            left = pending[rid] - 1
+            if left:
+                pending[rid] = left
+            else:
+                del pending[rid]
 
     def _run_bytes(self, batch: _Batch) -> int:
         """Payload bytes of the ops a batch ran (those of requests taken out before it started are not)."""
@@ -438,7 +456,8 @@ class TransferManager:
         its deadline has still not returned the control grace after it, fails the first request
         waited on (finishing or loading) that rides in it: a running write cannot be dropped, its
         request's pages can be freed only once nothing reads them, TensorRT-LLM's own transfer
-        timeout would fail the process later anyway, and this failure names the file."""
+        timeout would fail the process later anyway, and this failure names the file.  A save
+        writing from its stage reads no page, so it fails nothing: its requests are reported."""
         limit = self.settings.deadline_s
         for batch in self._inflight:
             if now - batch.accepted <= limit:
@@ -451,8 +470,8 @@ class TransferManager:
                     self.stats.add("save_blocks_dropped_deadline", sum(len(op.keys) for op in batch.run))
                     continue
                 since = batch.started  # running; 0 while the thread that took it is still starting it
-                if not since or now - since <= limit + self.settings.control_grace_s:
-                    continue
+                if not since or now - since <= limit + self.settings.control_grace_s or batch.views_done:
+                    continue  # (one writing from its stage holds no page: its requests are reported as usual)
                 kind, grace = "save", self.settings.control_grace_s
             else:
                 since, kind, grace = batch.accepted, "load", 0.0
@@ -596,8 +615,9 @@ class TransferManager:
         with self._start_lock:  # no batch starts while it is filtered
             for batch in self._inflight:
                 run = batch.run
-                if batch.kind not in kinds or batch.future.done() or not any(op.request_id in rids for op in run):
-                    continue
+                if batch.kind not in kinds or batch.future.done() or batch.views_done or \
+                        not any(op.request_id in rids for op in run):
+                    continue  # (a save whose views were all read writes from its stage: no page of theirs)
                 if batch.future.running():
                     running.append(batch)
                     batch.fenced |= rids
@@ -675,6 +695,14 @@ def _save_in_time(batch: _Batch, deadline_s: float) -> Callable[[], bool]:
             batch.stop_cause = "stopped" if stopped else "deadline"
         return False
     return in_time
+
+
+def _views_done(batch: _Batch) -> Callable[[], None]:
+    """A running save's ``views_read``: its pages are no longer read (the engine staged them), so
+    the next poll may report its requests finished while their bytes are still being written."""
+    def done() -> None:
+        batch.views_done = True
+    return done
 
 
 def _load_in_time(batch: _Batch) -> Callable[[], bool]:

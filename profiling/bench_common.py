@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -273,3 +274,13 @@ class KvikioDefaults:
 
     def describe(self) -> dict:
         return {k: str(v) for k, v in self.snapshot.items()}
+
+
+def close_tool(tm: Any, engine: Any, root: str) -> None:
+    """A profiling tool's end: its TransferManager shut down (which closes the engine), or the engine
+    alone where none was made, and its pool removed."""
+    if tm is not None:
+        tm.shutdown()
+    elif engine is not None:
+        engine.close()
+    shutil.rmtree(root, ignore_errors=True)

@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import drop_caches  # noqa: E402
+from bench_common import close_tool, drop_caches  # noqa: E402
 
 from gds_kv_connector.block_io import save_blocks  # noqa: E402
 from gds_kv_connector.engines import make_engine  # noqa: E402
@@ -119,11 +118,7 @@ def main() -> None:
             "load_GBps": round(a.blocks * size / full * 1e3 / 1e9, 3),
             "median_ratio": round(after / full, 3)}))
     finally:
-        if tm is not None:
-            tm.shutdown()  # closes the engine
-        elif engine is not None:
-            engine.close()
-        shutil.rmtree(root, ignore_errors=True)
+        close_tool(tm, engine, root)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device command that records a commit's GPU results: the GPU suite (doctor, gpu tests, six demos),
 # a full bench on /dev/shm, a disk-arena bench, a small load timed under saves (load_under_saves.py)
-# and a cancelled 1 GiB load from disk (cancel_latency.py),
+# a cancelled 1 GiB load from disk (cancel_latency.py) and finished requests' page holding (save_release.py),
 # each log and JSON under $OUT.  About 5 minutes on an H200
 # host; each part has its own time limit, so one that hangs cannot take the others' time.
 #
@@ -56,3 +56,9 @@ mkdir -p /tmp/cancel
 timeout 60 python profiling/cancel_latency.py --block 2MiB --blocks 512 --rounds 3 --cancel-after-ms 50 \
     --io-threads 4 --dir /tmp/cancel > "$OUT/cancel-latency.json" 2>&1
 echo "cancel latency rc $? in $((SECONDS - T0)) s"; cat "$OUT/cancel-latency.json"
+
+T0=$SECONDS
+mkdir -p /tmp/release
+timeout 90 python profiling/save_release.py --block 2MiB --requests 64 --blocks-per-request 4 --rounds 3 \
+    --dir /tmp/release > "$OUT/save-release.json" 2>&1
+echo "save release rc $? in $((SECONDS - T0)) s"; cat "$OUT/save-release.json"

@@ -10,17 +10,20 @@ path says whose bytes it moves.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 import fault_helpers as fh
 from gds_kv_connector.engines.posix import PosixEngine
+from gds_kv_connector.engines.staged_files import StagedFileIo
 from gds_kv_connector.fileops import FileOps
 from gds_kv_connector.metadata import SaveOp
 from gds_kv_connector.settings import Settings
 from gds_kv_connector.stats import Stats
 from gds_kv_connector.transfers import TransferManager
+from test_staged_files import _from_host, _to_host  # memmove in place of the DMA
 
 WAIT_S = 10.0  # no event a test waits for takes this long unless the code under test is broken
 
@@ -62,6 +65,8 @@ class GatedOps(FileOps):
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         fd = super().open(path, flags, mode)
+        if path.startswith("/proc/self/fd/"):  # a second descriptor of an open file (the staged path's O_DIRECT one)
+            path = os.readlink(path)
         with self._lock:
             self._paths[fd] = path
             self._begun.discard(fd)
@@ -112,17 +117,37 @@ def release_when(cond, gates: list[Gate]) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
-class GatedRig:
-    """A TransferManager over a fresh pool, every file operation through one :class:`GatedOps`."""
+class StagedHostEngine(PosixEngine):
+    """The staged O_DIRECT path (what KvikIO's engine runs without GDS) over host memory: payloads
+    copied to a stage with memmove in place of the DMA, then written from it."""
 
-    def __init__(self, root: str, num_blocks: int = 32, **env: str) -> None:
+    def __init__(self, io_threads: int, ops: FileOps) -> None:
+        super().__init__(io_threads=io_threads, ops=ops)
+        self.staged = StagedFileIo(_to_host, _from_host, lambda *a: None, lambda *a: None, io_threads, ops=ops)
+
+    def write(self, items, in_time=None, views_read=None):
+        return self.staged.write(items, in_time, views_read)
+
+    def read(self, items, in_time=None):
+        return self.staged.read(items, in_time)
+
+    def close(self) -> None:
+        self.staged.close()
+        super().close()
+
+
+class GatedRig:
+    """A TransferManager over a fresh pool, every file operation through one :class:`GatedOps`;
+    with ``staged``, its engine stages payloads as the GPU data path does (:class:`StagedHostEngine`)."""
+
+    def __init__(self, root: str, num_blocks: int = 32, staged: bool = False, **env: str) -> None:
         self.ops = GatedOps()
         base = {"TLLM_GDS_KV_DEADLINE_S": "20", "TLLM_GDS_KV_CONTROL_GRACE_S": "5",
                 "TLLM_GDS_KV_TRANSFER_THREADS": "1"}
         base.update(env)
         self.settings = Settings.load_from(env=base, require_root=False, root=root)
         self.pool = fh.make_pool(root, ops=self.ops, index_ttl_s=0.0)
-        self.engine = PosixEngine(io_threads=2, ops=self.ops)
+        self.engine = StagedHostEngine(2, self.ops) if staged else PosixEngine(io_threads=2, ops=self.ops)
         self.kv = fh.make_kv(num_blocks)
         self.stats = Stats()
         self.tm = TransferManager(self.pool, self.engine, self.kv, self.settings, self.stats)

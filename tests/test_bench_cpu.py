@@ -237,6 +237,8 @@ def test_bench_disk_target_runs_block_files_and_the_arena_on_disk_in_turn(tmp_pa
     ("syscall_probe.py", [], "absent-file exists()"),
     ("cancel_latency.py", ["--block", "64KiB", "--blocks", "32", "--rounds", "1", "--io-threads", "2"],
      '"reported_after_cancel_ms"'),
+    ("save_release.py", ["--block", "64KiB", "--requests", "4", "--blocks-per-request", "2", "--rounds", "1"],
+     '"hold_median_ratio"'),
     ("callback_totals.py", ["--runs", "1"], "warm:get_num_new_matched_tokens"),
     ("long_request.py", ["--blocks", "64", "--requests", "2"], "build_connector_meta, first report"),
     ("match_probe.py", ["--calls", "2"], "unindexed median"),

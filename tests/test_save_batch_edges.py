@@ -135,11 +135,11 @@ class _RaisingEngine(PosixEngine):
         super().__init__(io_threads=2)
         self.exc: BaseException | None = exc
 
-    def write(self, items, in_time=None):
+    def write(self, items, in_time=None, views_read=None):
         if self.exc is not None:
             exc, self.exc = self.exc, None
             raise exc
-        return super().write(items)
+        return super().write(items, in_time, views_read)
 
 
 def test_a_disk_slab_write_that_raises_frees_its_slots(shm_root, owners):
@@ -333,3 +333,34 @@ def test_a_temporary_file_named_before_host_tags_waits_for_the_foreign_age(tmp_p
     name = os.path.basename(path)
     assert not _tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
     assert _tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
+
+
+# -- views_read: the pages are free once the last write that reads them has them ---------------------
+class _SpyEngine(PosixEngine):
+    """Records each write's item count and whether it was given ``views_read``."""
+
+    def __init__(self) -> None:
+        super().__init__(io_threads=2)
+        self.calls: list[tuple[int, bool]] = []
+
+    def write(self, items, in_time=None, views_read=None):
+        self.calls.append((len(items), views_read is not None))
+        return super().write(items, in_time, views_read)
+
+
+def test_only_a_save_s_last_write_says_its_views_are_read(shm_root, owners, mapped):
+    """A disk arena with fewer free slots than the batch writes slab slots, then block files for the
+    rest, which read the views again: only that second write may say they are read, once; a mapped
+    arena copies without the engine's write, and the call comes as the save returns."""
+    eng = _SpyEngine()
+    try:
+        pool = owners(shm_root, eng, 8, mapped)
+        k, d = _keys(12), _data(12, 1)
+        said: list[int] = []
+        out = save_blocks(pool, eng, k, [ZERO_KEY] * 12, [d[i] for i in range(12)],
+                          views_read=lambda: said.append(len(eng.calls)))
+        assert out.published == 12 and out.arena_fallback == 4
+        assert eng.calls == ([(4, True)] if mapped else [(8, False), (4, True)])
+        assert said == [len(eng.calls)]
+    finally:
+        eng.close()

@@ -35,6 +35,23 @@ class TransferItem:
 #: ``IoEngine.write``'s and ``read``'s ``in_time``: called before each I/O starts; False once the
 #: batch was stopped (a save's deadline, a fence, a load whose request will not use it)
 InTime = Callable[[], bool]
+#: ``IoEngine.write``'s ``views_read``: called once no item's view will be read again
+ViewsRead = Callable[[], None]
+
+
+class Once:
+    """A callback run at most once, by whichever of several paths gets there first (the copy that
+    reads the last view, or the exit of a call that never reached it)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 class TransferStopped(Exception):
@@ -113,9 +130,13 @@ class IoEngine(ABC):
     name: str = "?"
 
     @abstractmethod
-    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+    def write(self, items: list[TransferItem], in_time: InTime | None = None,
+              views_read: ViewsRead | None = None) -> list[BaseException | None]:
         """Write every item; the result holds the error of each item, or None.  With ``in_time``,
-        items whose I/O has not started once it returns False are not written (:class:`WriteExpired`)."""
+        items whose I/O has not started once it returns False are not written (:class:`WriteExpired`).
+        ``views_read`` is called once, before this returns, as soon as no item's view will be read
+        again: an engine that stages the bytes calls it before its writes end, so the pages behind
+        the views can go back to their owner while the storage is still busy."""
 
     @abstractmethod
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..fileops import FileOps
-from .base import InTime, IoEngine, TransferItem, expired_check, header_io
+from .base import InTime, IoEngine, TransferItem, ViewsRead, expired_check, header_io
 from .host_dma import CudaHostDma
 from .staged_files import StagedFileIo
 
@@ -141,8 +141,9 @@ class KvikioEngine(IoEngine):
             self._ensure_probed(probe_dir)
 
     # -- IoEngine ---------------------------------------------------------------------------------
-    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
-        return self._transfer(items, write=True, in_time=in_time)
+    def write(self, items: list[TransferItem], in_time: InTime | None = None,
+              views_read: ViewsRead | None = None) -> list[BaseException | None]:
+        return self._transfer(items, write=True, in_time=in_time, views_read=views_read)
 
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         return self._transfer(items, write=False, in_time=in_time)
@@ -224,18 +225,27 @@ class KvikioEngine(IoEngine):
                 log.warning("cuFile probe failed (%s); moving blocks on KvikIO's POSIX path", reason)
             self._probed = True
 
-    def _transfer(self, items: list[TransferItem], write: bool,
-                  in_time: InTime | None = None) -> list[BaseException | None]:
-        if not items:
-            return []
-        if not self._probed:
-            try:
-                self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
-            except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
-                return [_as_error(exc) for _ in items]
-        staged = self._staged_io()
-        if staged is not None:
-            return staged.write(items, in_time) if write else staged.read(items, in_time)
+    def _transfer(self, items: list[TransferItem], write: bool, in_time: InTime | None = None,
+                  views_read: ViewsRead | None = None) -> list[BaseException | None]:
+        staged = None
+        try:
+            if not items:
+                return []
+            if not self._probed:
+                try:
+                    self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
+                except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
+                    return [_as_error(exc) for _ in items]
+            staged = self._staged_io()
+            if staged is not None:  # it stages the payloads: the views are free once they are copied
+                return staged.write(items, in_time, views_read) if write else staged.read(items, in_time)
+            return self._direct(items, write, in_time)
+        finally:
+            if views_read is not None and staged is None:  # KvikIO reads the views until its writes return
+                views_read()
+
+    def _direct(self, items: list[TransferItem], write: bool, in_time: InTime | None) -> list[BaseException | None]:
+        """Every item through KvikIO's own ``CuFile`` reads and writes (GDS, or its POSIX path)."""
         flags = "r+" if write else "r"
         handles: dict[int, Any] = {}  # one per descriptor: slots of one arena slab share it
 

@@ -17,7 +17,7 @@ import torch
 
 from ..checksum import checksum_bytes
 from ..fileops import FileOps, read_exact, write_all
-from .base import InTime, IoEngine, TransferItem, expired_check, header_io, run_all
+from .base import InTime, IoEngine, TransferItem, ViewsRead, expired_check, header_io, run_all
 
 
 class PosixEngine(IoEngine):
@@ -29,11 +29,16 @@ class PosixEngine(IoEngine):
         self._reads = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-r")
         self._sums = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="gdskv-posix-c")
 
-    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
+    def write(self, items: list[TransferItem], in_time: InTime | None = None,
+              views_read: ViewsRead | None = None) -> list[BaseException | None]:
         def write_in_time(it: TransferItem) -> None:
             expired_check(in_time)
             self._write_one(it)
-        return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
+        try:  # the writes read the views themselves: they are read until the last one returns
+            return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
+        finally:
+            if views_read is not None:
+                views_read()
 
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         def read_in_time(it: TransferItem) -> None:

@@ -32,9 +32,11 @@ import torch
 
 from ..fileops import FileOps, write_all
 from ..pool_format import PAGE, align_up
-from .base import InTime, TransferItem, expired_check, run_all
+from .base import InTime, Once, TransferItem, ViewsRead, expired_check, run_all
 
-DEFAULT_STAGE_BYTES = 64 << 20
+# Holds a merged save batch whole (transfers.MERGE_BYTES, 64 MiB of payload) with each block's header
+# page, for blocks of 32 KiB and more: its pages are then read in one copy and free before its writes.
+DEFAULT_STAGE_BYTES = 72 << 20
 # Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
 # streams (issue 7), and a bigger I/O would leave the other I/O threads idle.  On an H100 host, 8 MiB
 # (three 2.25 MiB slots a write) saved x0.82 of this, and cutting every run into even I/Os of at most
@@ -141,8 +143,11 @@ class StagedFileIo:
         self._lock = threading.Lock()
         self.direct_refused = 0  # files moved through the plain descriptor because O_DIRECT was refused
 
-    def write(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
-        return self._run(items, write=True, in_time=in_time)
+    def write(self, items: list[TransferItem], in_time: InTime | None = None,
+              views_read: ViewsRead | None = None) -> list[BaseException | None]:
+        """Also calls ``views_read`` right after the last chunk's copy to the stage, before that
+        chunk's writes: where the batch fits the stage, the pages are free after one DMA."""
+        return self._run(items, write=True, in_time=in_time, views_read=views_read)
 
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         return self._run(items, write=False, in_time=in_time)
@@ -156,8 +161,16 @@ class StagedFileIo:
             stage.release(self._unregister)
 
     # -- internals --------------------------------------------------------------------------------
-    def _run(self, items: list[TransferItem], write: bool,
-             in_time: InTime | None = None) -> list[BaseException | None]:
+    def _run(self, items: list[TransferItem], write: bool, in_time: InTime | None = None,
+             views_read: ViewsRead | None = None) -> list[BaseException | None]:
+        once = Once(views_read)
+        try:
+            return self._run_chunks(items, write, in_time, once)
+        finally:
+            once()  # where the last chunk's copy did not run (stopped, failed) or no item was valid
+
+    def _run_chunks(self, items: list[TransferItem], write: bool, in_time: InTime | None,
+                    views_read: Once) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
         # Items with a header move it in the same I/O: their slot starts that many bytes before the payload.
@@ -171,8 +184,8 @@ class StagedFileIo:
         if not chunks:
             return results
         stage = self._stage(pitch * len(chunks[0]))
-        for chunk in chunks:
-            chunk = [i for i in chunk if results[i] is None]
+        for c, indices in enumerate(chunks):
+            chunk = [i for i in indices if results[i] is None]
             if not chunk:
                 continue
             pairs = [(stage.addr + k * pitch + leads[i], items[i].view) for k, i in enumerate(chunk)]
@@ -180,6 +193,8 @@ class StagedFileIo:
                 expired_check(in_time, reading=not write)  # stopped: the chunk's pages are not touched
                 if write:
                     self._to_host(pairs, pitch)
+                    if c == len(chunks) - 1:  # no view is read again
+                        views_read()
             except Exception as exc:  # noqa: BLE001 - every item of the chunk fails with it
                 for i in chunk:
                     results[i] = exc

@@ -84,6 +84,18 @@ def _load(engine, paths: list[str], views: list[torch.Tensor]) -> list[BaseExcep
             os.close(fd)
 
 
+def _blank_files(directory: str, name: str, views: list[torch.Tensor]) -> tuple[list[str], list[int]]:
+    """A zeroed file open for writing per view, sized for its header and payload: (paths, fds)."""
+    paths, fds = [], []
+    for i, view in enumerate(views):
+        path = os.path.join(directory, f"{name}{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(fd, HEADER + view.numel())
+        paths.append(path)
+        fds.append(fd)
+    return paths, fds
+
+
 def _payload(path: str) -> bytes:
     with open(path, "rb") as f:
         f.seek(HEADER)
@@ -219,13 +231,7 @@ def test_a_deadline_stops_the_writes_not_started(engine, tmp_path):
     pool = _pool("uint8", 10, 1, 8192)
     views = [_block_bytes(pool, b) for b in range(10)]
     torch.cuda.synchronize()
-    paths, fds = [], []
-    for i in range(10):
-        path = os.path.join(str(tmp_path), f"late{i}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, HEADER + views[i].numel())
-        paths.append(path)
-        fds.append(fd)
+    paths, fds = _blank_files(str(tmp_path), "late", views)
     calls = itertools.count()
     try:
         errors = engine.write([TransferItem(fd, HEADER, v) for fd, v in zip(fds, views)], lambda: next(calls) < 3)
@@ -269,3 +275,27 @@ def test_a_stop_ends_the_reads_not_started(engine, tmp_path):
     for b in range(10):
         want = pool[b] if b in read else torch.full_like(pool[b], 7)
         assert torch.equal(back[b], want), f"block {b}"
+
+
+def test_views_read_comes_once_the_pages_are_no_longer_needed(engine, tmp_path):
+    """A save's ``views_read`` frees its pages (its request is reported finished): whatever the pages
+    hold after it must not reach the files.  The staged path calls it after its copy to the stage,
+    before its writes; KvikIO's own path once its writes are done."""
+    pool = _pool("uint8", 6, 1, 8192)
+    views = [_block_bytes(pool, b) for b in range(6)]
+    want = [bytes(v.cpu().numpy()) for v in views]
+    calls: list[int] = []
+
+    def reuse_pages() -> None:  # TensorRT-LLM hands the pages to another request at once
+        calls.append(1)
+        pool.fill_(0xEE)
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    paths, fds = _blank_files(str(tmp_path), "early", views)
+    try:
+        errors = engine.write([TransferItem(fd, HEADER, v) for fd, v in zip(fds, views)], None, reuse_pages)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert errors == [None] * 6 and calls == [1]
+    assert [_payload(p) for p in paths] == want
