@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 # times on the executor and transfer threads.  64 MiB is the batch the bench found no slower than
 # larger ones (profiling/results/h200-native-1f88463/threads.log).
 MERGE_BYTES = 64 << 20
+# How often a fence waiting for a running save asks whether its engine has staged its pages
+STAGED_POLL_S = 0.005
 
 
 # Which queue a batch of each kind waits in: transfer threads take from the first non-empty one, so
@@ -470,8 +472,17 @@ class TransferManager:
                     self.stats.add("save_blocks_dropped_deadline", sum(len(op.keys) for op in batch.run))
                     continue
                 since = batch.started  # running; 0 while the thread that took it is still starting it
-                if not since or now - since <= limit + self.settings.control_grace_s or batch.views_done:
-                    continue  # (one writing from its stage holds no page: its requests are reported as usual)
+                if not since or now - since <= limit + self.settings.control_grace_s:
+                    continue
+                if batch.views_done:  # writing from its stage: no page held, its requests reported
+                    if "stuck-staged" not in self._causes_logged:
+                        self._causes_logged.add("stuck-staged")
+                        log.warning("gds-kv-connector: a save's write (first file %s) has not returned %.1fs after "
+                                    "its deadline; its requests were reported (their pages were staged), but it "
+                                    "holds a transfer thread and %d bytes of the save backlog until it does",
+                                    self.pool.path_for(batch.run[0].keys[0]), self.settings.control_grace_s,
+                                    batch.nbytes)
+                    continue
                 kind, grace = "save", self.settings.control_grace_s
             else:
                 since, kind, grace = batch.accepted, "load", 0.0
@@ -569,15 +580,11 @@ class TransferManager:
             saving = batch.kind == "save" and batch.started
             # a save stops between blocks at its deadline: its write in flight then gets the grace to return
             end = batch.started + limit + grace if saving else batch.accepted + limit
-            try:
-                batch.future.exception(timeout=min(grace, max(end - time.monotonic(), 0.0)))
-            except TimeoutError:
+            if not _off_the_pages(batch, min(grace, max(end - time.monotonic(), 0.0))):
                 log.warning("gds-kv-connector: a reset request's %s of %d bytes is still running after the "
                             "%.1fs control grace; the executor waits for it, until its deadline", batch.kind,
                             batch.nbytes, grace)
-                try:
-                    batch.future.exception(timeout=max(end - time.monotonic(), 0.0))
-                except TimeoutError:
+                if not _off_the_pages(batch, max(end - time.monotonic(), 0.0)):
                     reset = ", ".join(str(rid) for rid in sorted(rids & {op.request_id for op in batch.run}))
                     when = f"{grace:g}s after its {limit:.1f}s deadline" if saving else f"at its {limit:.1f}s deadline"
                     raise ConnectorFailure(
@@ -695,6 +702,22 @@ def _save_in_time(batch: _Batch, deadline_s: float) -> Callable[[], bool]:
             batch.stop_cause = "stopped" if stopped else "deadline"
         return False
     return in_time
+
+
+def _off_the_pages(batch: _Batch, timeout: float) -> bool:
+    """Wait up to ``timeout`` until the batch no longer touches its pages: it ended, or (a save) its
+    engine has staged what it reads, which may come while a fence waits; False on the timeout."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        try:
+            batch.future.exception(timeout=max(0.0, min(left, STAGED_POLL_S) if batch.kind == "save" else left))
+            return True
+        except TimeoutError:
+            if batch.views_done:
+                return True
+            if left <= 0:
+                return False
 
 
 def _views_done(batch: _Batch) -> Callable[[], None]:

@@ -134,9 +134,10 @@ class IoEngine(ABC):
               views_read: ViewsRead | None = None) -> list[BaseException | None]:
         """Write every item; the result holds the error of each item, or None.  With ``in_time``,
         items whose I/O has not started once it returns False are not written (:class:`WriteExpired`).
-        ``views_read`` is called once, before this returns, as soon as no item's view will be read
-        again: an engine that stages the bytes calls it before its writes end, so the pages behind
-        the views can go back to their owner while the storage is still busy."""
+        An engine that stages the bytes calls ``views_read`` once no item's view will be read again,
+        before its writes end, so the pages behind the views can go back to their owner while the
+        storage is still busy; one whose writes read the views to the end does not call it (the
+        caller's own end, once the blocks are published, is then the first moment)."""
 
     @abstractmethod
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:

@@ -51,20 +51,22 @@ class CudaHostDma:
         kind = self._rt.memcpyDeviceToHost if to_host else self._rt.memcpyHostToDevice
         with self._cupy.cuda.Device(self._index):
             k = 0
-            for host, dev, width, hpitch, rows in _split(runs, len(streams)):
-                s = streams[k % len(streams)].ptr
-                k += 1
-                if rows == 1:
-                    if to_host:
-                        self._rt.memcpyAsync(host, dev, width, kind, s)
+            try:
+                for host, dev, width, hpitch, rows in _split(runs, len(streams)):
+                    s = streams[k % len(streams)].ptr
+                    k += 1
+                    if rows == 1:
+                        if to_host:
+                            self._rt.memcpyAsync(host, dev, width, kind, s)
+                        else:
+                            self._rt.memcpyAsync(dev, host, width, kind, s)
+                    elif to_host:
+                        self._rt.memcpy2DAsync(host, hpitch, dev, width, width, rows, kind, s)
                     else:
-                        self._rt.memcpyAsync(dev, host, width, kind, s)
-                elif to_host:
-                    self._rt.memcpy2DAsync(host, hpitch, dev, width, width, rows, kind, s)
-                else:
-                    self._rt.memcpy2DAsync(dev, width, host, hpitch, width, rows, kind, s)
-            for stream in streams[:k]:
-                stream.synchronize()
+                        self._rt.memcpy2DAsync(dev, width, host, hpitch, width, rows, kind, s)
+            finally:  # a launch that raised leaves the ones before it queued: they end before this returns,
+                for stream in streams[:k]:  # or the pages (and the stage) would be freed under them
+                    stream.synchronize()
 
     def _streams(self) -> list[Any]:
         streams = getattr(self._local, "streams", None)

@@ -227,22 +227,17 @@ class KvikioEngine(IoEngine):
 
     def _transfer(self, items: list[TransferItem], write: bool, in_time: InTime | None = None,
                   views_read: ViewsRead | None = None) -> list[BaseException | None]:
-        staged = None
-        try:
-            if not items:
-                return []
-            if not self._probed:
-                try:
-                    self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
-                except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
-                    return [_as_error(exc) for _ in items]
-            staged = self._staged_io()
-            if staged is not None:  # it stages the payloads: the views are free once they are copied
-                return staged.write(items, in_time, views_read) if write else staged.read(items, in_time)
-            return self._direct(items, write, in_time)
-        finally:
-            if views_read is not None and staged is None:  # KvikIO reads the views until its writes return
-                views_read()
+        if not items:
+            return []
+        if not self._probed:
+            try:
+                self._ensure_probed(os.path.dirname(os.readlink(f"/proc/self/fd/{items[0].fd}")))
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the engine stays usable
+                return [_as_error(exc) for _ in items]
+        staged = self._staged_io()
+        if staged is not None:  # it stages the payloads: the views are free once they are copied
+            return staged.write(items, in_time, views_read) if write else staged.read(items, in_time)
+        return self._direct(items, write, in_time)  # KvikIO reads the views until its writes return
 
     def _direct(self, items: list[TransferItem], write: bool, in_time: InTime | None) -> list[BaseException | None]:
         """Every item through KvikIO's own ``CuFile`` reads and writes (GDS, or its POSIX path)."""

@@ -34,11 +34,8 @@ class PosixEngine(IoEngine):
         def write_in_time(it: TransferItem) -> None:
             expired_check(in_time)
             self._write_one(it)
-        try:  # the writes read the views themselves: they are read until the last one returns
-            return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
-        finally:
-            if views_read is not None:
-                views_read()
+        # the writes read the views themselves, to the end: views_read is left to the caller
+        return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
 
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
         def read_in_time(it: TransferItem) -> None:

@@ -280,7 +280,7 @@ def test_a_stop_ends_the_reads_not_started(engine, tmp_path):
 def test_views_read_comes_once_the_pages_are_no_longer_needed(engine, tmp_path):
     """A save's ``views_read`` frees its pages (its request is reported finished): whatever the pages
     hold after it must not reach the files.  The staged path calls it after its copy to the stage,
-    before its writes; KvikIO's own path once its writes are done."""
+    before its writes; KvikIO's own path reads the pages to its writes' end and leaves it to the caller."""
     pool = _pool("uint8", 6, 1, 8192)
     views = [_block_bytes(pool, b) for b in range(6)]
     want = [bytes(v.cpu().numpy()) for v in views]
@@ -297,5 +297,5 @@ def test_views_read_comes_once_the_pages_are_no_longer_needed(engine, tmp_path):
     finally:
         for fd in fds:
             os.close(fd)
-    assert errors == [None] * 6 and calls == [1]
+    assert errors == [None] * 6 and calls == ([1] if engine.data_path().startswith("staged") else [])
     assert [_payload(p) for p in paths] == want
