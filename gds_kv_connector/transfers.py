@@ -375,7 +375,8 @@ class TransferManager:
 
     def _settle_done(self) -> None:
         """Account each batch that completed since the last poll, once, and take it off its
-        requests' counts; a failed asynchronous load is kept for its requests' next poll."""
+        requests' counts (a save whose engine has staged its pages comes off them already while it
+        writes); a failed asynchronous load is kept for its requests' next poll."""
         still: list[_Batch] = []
         loads, failed = self._pending_loads, self._load_failed
         for batch in self._inflight:
