@@ -10,7 +10,8 @@ through the connector's TransferManager and engine into a pool under ``--dir``, 
 ``get_finished`` does: each request's time from submission to its report is how long its pages
 were held; the time until every batch has settled is how long the storage took.  An untimed first
 round allocates the transfer threads' stages (runs before 15ce3f5 had none: their first leg paid
-it, about 250 ms).  Each round runs
+it, about 250 ms), and the leg that runs first alternates from round to round (before 6eaf78e the
+early leg always ran first).  Each round runs
 both ways, in turn: ``early`` (the connector's behaviour) and ``at write end`` (the report waits
 for the batch's writes, what the connector did before; the same code with the engine's
 ``views_read`` signal ignored).  One JSON line: per way, the medians over rounds of each request's
@@ -105,8 +106,9 @@ def main() -> None:
                 ops.append(SaveOp(rid, keys, (ZERO_KEY,) * len(keys), tuple(range(first, first + len(keys)))))
             return ops
         _round(tm, fresh_ops())  # untimed: the transfer threads' stages are allocated and registered here
-        for _ in range(a.rounds):
-            for way, views_done in (("early", real_views_done), ("at write end", lambda batch: lambda: None)):
+        legs = [("early", real_views_done), ("at write end", lambda batch: lambda: None)]
+        for n in range(a.rounds):
+            for way, views_done in (legs if n % 2 == 0 else legs[::-1]):  # which runs first alternates
                 transfers._views_done = views_done
                 holds, writes = _round(tm, fresh_ops())
                 ordered = sorted(holds)
