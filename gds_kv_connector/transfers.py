@@ -641,14 +641,6 @@ class TransferManager:
                     batch.future.cancel()
         return skipped, running
 
-    def cancel_queued(self, rid: int) -> int:
-        """Drop transfers of a request that have not started; in-flight ones, and batches it shares
-        with other requests (cancelling one would drop theirs), run to completion."""
-        dropped = sum(1 for b in self._inflight
-                      if b.ops[0].request_id == rid and not b.shared and b.future.cancel())
-        self.stats.add("transfers_dropped_queued", dropped)
-        return dropped
-
     def shutdown(self) -> dict[str, int]:
         """Stop accepting work, drop queued batches, stop running transfers between blocks, wait for
         in-flight ones up to the control grace."""

@@ -9,12 +9,14 @@ FaultyFileOps stall that the test releases with an event, not with sleeps.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 pytest.register_assert_rewrite("fault_helpers")
 import fault_helpers as fh  # noqa: E402
+import gated_ops as go  # noqa: E402
 from test_fault_storage import Rig  # noqa: E402
 from gds_kv_connector.metadata import LoadOp  # noqa: E402
 
@@ -35,7 +37,9 @@ def _hold_first_payload_write(r):
     r.ops.add("pwrite", "stall", stall_s=30.0, count=1, skip=1)
 
 
-def test_cancel_drops_queued_and_waits_for_in_flight(rig):
+def test_a_reset_drops_queued_saves_and_waits_for_the_one_in_flight(rig):
+    """request_reset's fence without waiting (what the scheduler calls with TP 1 or ADP): the queued
+    save is dropped, the one moving bytes finishes, and the request is not reported before it has."""
     r = rig
     _hold_first_payload_write(r)
     a = r.save_op(1, [fh.key_of("cancel", "a")], first_block=0)
@@ -44,7 +48,7 @@ def test_cancel_drops_queued_and_waits_for_in_flight(rig):
     for op in (a, b, c):
         r.tm.submit_save(op, None)
     assert r.ops.stall_started.wait(5), "the first save never started"
-    assert r.tm.cancel_queued(1) == 1  # b was queued behind the stalled a
+    r.tm.fence([1], wait=False)  # b was queued behind the stalled a
     for _ in range(5):  # while a's bytes are still moving, request 1 must not be reported
         saved, _ = r.tm.poll([1], [])
         assert 1 not in saved
@@ -53,26 +57,31 @@ def test_cancel_drops_queued_and_waits_for_in_flight(rig):
     r.poll_until(finished=[2], want_saved=[1, 2])
     assert r.ops.stalls_active == 0
     stats = r.stats.snapshot()
-    assert stats.get("transfers_dropped_queued") == 1 and stats.get("save_batches_cancelled") == 1
+    assert stats.get("fenced_blocks_skipped") == 1 and stats.get("save_batches_cancelled") == 1
     assert r.pool.contains(a.keys[0]) and r.pool.contains(c.keys[0]) and not r.pool.contains(b.keys[0])
     assert fh.tmp_files(r.pool) == []
     fh.record("cancel", trials=1, injected=1, detected=1)
 
 
 @pytest.mark.parametrize("is_async", [True, False])
-def test_a_cancelled_load_is_a_failure_never_a_load(rig, is_async):
-    """A load dropped from the queue left its pages without their KV: poll (async) or the wait
-    before the first layer (sync) says so with a ConnectorFailure naming the request, never reports
-    it loaded and never leaks CancelledError."""
+def test_a_load_dropped_at_shutdown_is_a_failure_never_a_load(rig, is_async):
+    """A load shutdown dropped from the queue left its pages without their KV: a poll (async) or the
+    wait before the first layer (sync) after it says so with a ConnectorFailure naming the request,
+    never reports it loaded and never leaks CancelledError."""
     r = rig
-    keys = [fh.key_of("cancel-load", i) for i in range(2)]
+    keys = [fh.key_of("cancel-load", i) for i in range(4)]
     r.preload(keys)
     _hold_first_payload_write(r)
     r.tm.submit_save(r.save_op(5, [fh.key_of("blocker")], first_block=0), None)
-    assert r.ops.stall_started.wait(5)
-    r.tm.submit_load(LoadOp(6, tuple(keys), (4, 5), is_async), None)
-    assert r.tm.cancel_queued(6) == 1
-    r.ops.release()
+    assert r.ops.stall_started.wait(5)  # the one transfer thread is writing
+    r.ops.add("preadv", "stall", stall_s=30.0, count=1)
+    r.tm.submit_load(LoadOp(7, tuple(keys[2:]), (6, 7), True), None)  # the load lane takes it, and stalls
+    go.wait_until(lambda: r.ops.stalls_active == 2, "the load lane's read to stall")
+    r.tm.submit_load(LoadOp(6, tuple(keys[:2]), (4, 5), is_async), None)  # queued: no thread is free
+    releaser = threading.Timer(0.1, r.ops.release)  # the stalled I/O returns within the grace
+    releaser.start()
+    assert r.tm.shutdown() == {"dropped": 1, "stuck": 0}
+    releaser.join()
     from gds_kv_connector.transfers import ConnectorFailure
     if is_async:
         with pytest.raises(ConnectorFailure, match="load for request 6 failed.*cancelled"):
@@ -126,16 +135,16 @@ def test_shutdown_drains_in_flight_within_grace(rig):
 
 
 def test_shutdown_counts_what_it_drops_once(rig):
-    """Batches cancel_queued dropped earlier are not counted again, and saves handed over by the
-    scheduler after the last poll are counted as dropped instead of vanishing."""
+    """Saves handed over by the scheduler after the last poll are counted as dropped instead of
+    vanishing, and a batch a reset took out earlier is not counted again."""
     r = rig
     _hold_first_payload_write(r)
     r.tm.submit_save(r.save_op(30, [fh.key_of("once", 0)], first_block=0), None)
     assert r.ops.stall_started.wait(5)
     r.tm.submit_save(r.save_op(31, [fh.key_of("once", 1)], first_block=1), None)
-    assert r.tm.cancel_queued(31) == 1
+    r.tm.fence([31], wait=False)
     r.tm.deliver_saves([r.save_op(32, [fh.key_of("once", 2), fh.key_of("once", 3)], first_block=2)])
     r.ops.release()
     assert r.tm.shutdown() == {"dropped": 0, "stuck": 0}
     stats = r.stats.snapshot()
-    assert stats.get("transfers_dropped_queued") == 1 and stats.get("save_blocks_dropped_at_shutdown") == 2
+    assert stats.get("fenced_blocks_skipped") == 1 and stats.get("save_blocks_dropped_at_shutdown") == 2

@@ -140,10 +140,10 @@ def test_cancelling_one_request_never_drops_a_batch_it_shares(tmp_path):
         assert r.ops.stall_started.wait(5)
         shared = [r.save_op(2, [fh.key_of("s", 2)], first_block=1), r.save_op(3, [fh.key_of("s", 3)], first_block=2)]
         r.tm.submit_saves(shared, None)
-        assert r.tm.cancel_queued(2) == 0  # queued, but request 3's block rides in the same batch
+        r.tm.fence([2], wait=False)  # queued; request 3's block rides in the same batch
         r.ops.release()
         r.poll_until(finished=[1, 2, 3], want_saved=[1, 2, 3])
-        assert r.pool.contains(shared[0].keys[0]) and r.pool.contains(shared[1].keys[0])
+        assert not r.pool.contains(shared[0].keys[0]) and r.pool.contains(shared[1].keys[0])
     finally:
         r.close()
 
