@@ -21,7 +21,7 @@ import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterable
 
 from .block_io import LoadFailure, LoadStopped, SaveOutcome, load_blocks, pin_blocks, save_blocks
 from .engines.base import IoEngine
@@ -426,14 +426,14 @@ class TransferManager:
 
     def _run_bytes(self, batch: _Batch) -> int:
         """Payload bytes of the ops a batch ran (those of requests taken out before it started are not)."""
-        return sum(len(op.keys) for op in batch.run) * self.pool.payload_len
+        return _blocks(batch.run) * self.pool.payload_len
 
     def _count_stopped_load(self, batch: _Batch, exc: BaseException) -> None:
         """A load stopped between blocks (or one that failed once stopped: its blocks will not be
         used): its unread blocks, all of them for a failure, under the cause that stopped it."""
         name = {"cancel": "load_blocks_cancelled", "fence": "fenced_blocks_skipped"}.get(
             batch.stop_cause, "load_blocks_dropped_at_shutdown")
-        self.stats.add(name, exc.blocks if isinstance(exc, LoadStopped) else sum(len(op.keys) for op in batch.run))
+        self.stats.add(name, exc.blocks if isinstance(exc, LoadStopped) else _blocks(batch.run))
 
     def _loads_done(self, rid: int, now: float) -> bool:
         left = self._pending_loads.get(rid)
@@ -470,7 +470,7 @@ class TransferManager:
                 continue
             if batch.kind == "save":
                 if future.cancel():
-                    self.stats.add("save_blocks_dropped_deadline", sum(len(op.keys) for op in batch.run))
+                    self.stats.add("save_blocks_dropped_deadline", _blocks(batch.run))
                     continue
                 since = batch.started  # running; 0 while the thread that took it is still starting it
                 if not since or now - since <= limit + self.settings.control_grace_s:
@@ -635,7 +635,7 @@ class TransferManager:
                             batch.stop_cause = cause
                     continue
                 keep = [op for op in run if op.request_id not in rids]
-                skipped += sum(len(op.keys) for op in run) - sum(len(op.keys) for op in keep)
+                skipped += _blocks(run) - _blocks(keep)
                 batch.run = keep
                 if not keep:
                     batch.future.cancel()
@@ -652,7 +652,7 @@ class TransferManager:
                     batch.stopped = True
         while not self._inbox.empty():  # saves of finished requests handed over after the last poll
             dropped_saves = self._inbox.get_nowait()
-            self.stats.add("save_blocks_dropped_at_shutdown", sum(len(op.keys) for op in dropped_saves))
+            self.stats.add("save_blocks_dropped_at_shutdown", _blocks(dropped_saves))
         end = time.monotonic() + self.settings.control_grace_s
         stuck = 0
         for batch in self._inflight:
@@ -675,6 +675,11 @@ class TransferManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectorFailure("gds-kv-connector: transfer submitted after shutdown")
+
+
+def _blocks(ops: Iterable[Any]) -> int:
+    """How many blocks the ops move."""
+    return sum(len(op.keys) for op in ops)
 
 
 def _wait_event(event: Any) -> None:
@@ -774,7 +779,7 @@ def _batches(ops: list[Any], payload: int, threads: int) -> list[tuple[list[Any]
     """Consecutive ops grouped into batches of about total / ``threads`` bytes (a batch closes
     once it reaches that), never above ``MERGE_BYTES`` unless one op alone is larger, so every
     transfer thread gets a share: (ops, blocks in them) per batch."""
-    total = sum(len(op.keys) for op in ops) * payload
+    total = _blocks(ops) * payload
     target = min(MERGE_BYTES, -(-total // threads))
     out: list[tuple[list[Any], int]] = []
     group: list[Any] = []

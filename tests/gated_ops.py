@@ -100,6 +100,18 @@ class GatedOps(FileOps):
         return super().preadv(fd, buf, offset)
 
 
+class HeldEvent:
+    """The forward's CUDA event, held: the batch waiting on it is running (a transfer thread took it)
+    and moves no byte until the test sets ``go``."""
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def synchronize(self) -> None:
+        self.started.set()
+        assert self.go.wait(WAIT_S)
+
+
 def wait_until(cond, what: str = "the condition") -> None:
     end = time.monotonic() + WAIT_S
     while not cond():

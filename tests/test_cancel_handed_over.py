@@ -11,7 +11,6 @@ a reset (``fence``) stops a running load of its own the same way.
 from __future__ import annotations
 
 import os
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -141,20 +140,9 @@ def test_a_block_failing_after_the_cancel_fails_nothing(gated):
     assert not gated.tm._dropped_loads and not gated.tm._load_failed
 
 
-class _HeldEvent:
-    """The forward's CUDA event, held: the batch is running (a transfer thread took it) and waits."""
-
-    def __init__(self) -> None:
-        self.started, self.go = threading.Event(), threading.Event()
-
-    def synchronize(self) -> None:
-        self.started.set()
-        assert self.go.wait(go.WAIT_S)
-
-
 def test_a_load_cancelled_while_it_waits_for_the_forward_opens_no_file(gated):
     keys = _saved(gated, 1, "event", 3, 0)
-    event = _HeldEvent()
+    event = go.HeldEvent()
     gated.tm.submit_loads([LoadOp(11, keys, (10, 11, 12), True)], event)
     assert event.started.wait(go.WAIT_S)
     gated.poll(loading=[11])
@@ -183,11 +171,17 @@ def test_bytes_loaded_counts_only_the_blocks_of_requests_still_in_a_batch(gated)
 
 
 # -- the scheduler: which cancel_load stops a handed-over load, and how it reaches the workers ---------
-def _handed_over(ex, rid: int, prompt: list[int]) -> tuple[SimRequest, int]:
-    """A new request whose asynchronous load of the prompt's saved blocks went out in the metadata."""
+def _request(rid: int, prompt: list[int]) -> SimRequest:
+    """A new request of ``prompt``, its tokens where TensorRT-LLM's binding would read them."""
     req = SimRequest(rid, prompt)
     req.tokens = list(prompt)
     req.hold_tokens()
+    return req
+
+
+def _handed_over(ex, rid: int, prompt: list[int]) -> tuple[SimRequest, int]:
+    """A new request whose asynchronous load of the prompt's saved blocks went out in the metadata."""
+    req = _request(rid, prompt)
     matched, is_async = ex.sched.get_num_new_matched_tokens(req, 0)
     assert matched and is_async
     ex.sched.update_state_after_alloc(req, list(range(200, 200 + len(prompt) // TPB + 1)))
@@ -227,9 +221,7 @@ def test_what_counts_is_the_part_handed_over(served, monkeypatch, before, after)
     ex, prompt = served
     calls: list[list[int]] = []
     monkeypatch.setattr(ex.sched._connect(), "cancel_loads", lambda rids: calls.append(list(rids)))
-    req = SimRequest(102, prompt)
-    req.tokens = list(prompt)
-    req.hold_tokens()
+    req = _request(102, prompt)
     matched, _ = ex.sched.get_num_new_matched_tokens(req, 0)
     assert matched == 6 * TPB
     for lo, hi in before:

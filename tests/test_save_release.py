@@ -167,14 +167,6 @@ def test_a_save_writing_its_pages_itself_is_reported_only_once_published(tmp_pat
         r.close()
 
 
-class _HeldEvent:
-    def __init__(self) -> None:
-        self.go = threading.Event()
-
-    def synchronize(self) -> None:
-        assert self.go.wait(go.WAIT_S)
-
-
 def test_a_fence_stops_waiting_once_the_save_it_waits_for_is_staged(tmp_path):
     """A reset catches a two-request batch before its copy (it waits for its forward's event), then
     the batch is staged and its write held past the deadline and grace: the fence returns once the
@@ -184,7 +176,7 @@ def test_a_fence_stops_waiting_once_the_save_it_waits_for_is_staged(tmp_path):
     try:
         op1, op2 = r.save_op(1, "fa", 2, 0), r.save_op(2, "fb", 2, 2)
         gate = r.ops.hold(op1.keys[0])
-        event = _HeldEvent()
+        event = go.HeldEvent()
         r.tm.submit_saves([op1, op2], event)
         batch = r.tm._inflight[0]
         go.wait_until(lambda: batch.started, "the batch to start")

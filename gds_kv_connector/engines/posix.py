@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -31,17 +32,11 @@ class PosixEngine(IoEngine):
 
     def write(self, items: list[TransferItem], in_time: InTime | None = None,
               views_read: ViewsRead | None = None) -> list[BaseException | None]:
-        def write_in_time(it: TransferItem) -> None:
-            expired_check(in_time)
-            self._write_one(it)
         # the writes read the views themselves, to the end: views_read is left to the caller
-        return run_all(self._writes, lambda it: _capture(write_in_time, it), items, in_time)
+        return _each(self._writes, self._write_one, items, in_time, reading=False)
 
     def read(self, items: list[TransferItem], in_time: InTime | None = None) -> list[BaseException | None]:
-        def read_in_time(it: TransferItem) -> None:
-            expired_check(in_time, reading=True)
-            self._read_one(it)
-        return run_all(self._reads, lambda it: _capture(read_in_time, it), items, in_time, reading=True)
+        return _each(self._reads, self._read_one, items, in_time, reading=True)
 
     def _write_one(self, it: TransferItem) -> None:
         data = _host_bytes(it.view)
@@ -78,6 +73,15 @@ def _host_bytes(view: torch.Tensor):
     if view.device.type != "cpu":
         raise ValueError("the POSIX engine moves host-memory blocks only; use the kvikio engine for CUDA")
     return view.numpy()
+
+
+def _each(pool: ThreadPoolExecutor, one: Callable[[TransferItem], None], items: list[TransferItem],
+          in_time: InTime | None, reading: bool) -> list[BaseException | None]:
+    """``one`` for every item on ``pool``, each started only while ``in_time`` says yes; errors per item."""
+    def step(it: TransferItem) -> None:
+        expired_check(in_time, reading)
+        one(it)
+    return run_all(pool, lambda it: _capture(step, it), items, in_time, reading)
 
 
 def _capture(fn, item) -> BaseException | None:
