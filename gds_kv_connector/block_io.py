@@ -66,15 +66,22 @@ class LoadStopped(Exception):
 
 def save_blocks(pool: BlockPool, engine: IoEngine, keys: list[bytes], parents: list[bytes],
                 views: list[torch.Tensor], in_time: InTime | None = None,
-                views_read: ViewsRead | None = None) -> SaveOutcome:
+                views_read: ViewsRead | None = None, on_staged: ViewsRead | None = None) -> SaveOutcome:
     """Publish each (key, view) not yet in the pool; ``parents[i]`` is the key of the block before.
     With ``in_time``, blocks whose file write has not started once it returns False are left out
     (``expired``): a save stops between blocks at its deadline instead of holding its pages.
     ``views_read`` is called once no view will be read again: before the writes end where the
-    engine stages the bytes (the last ``engine.write`` gets it), at the latest before this returns."""
+    engine stages the bytes (the last ``engine.write`` gets it), at the latest before this returns.
+    ``on_staged`` is called after it only in the first case, when writes from the stage are left."""
     once = Once(views_read)
+    early = once
+    if on_staged is not None:
+        def staged() -> None:
+            once()
+            on_staged()
+        early = Once(staged)
     try:
-        return _save_blocks(pool, engine, keys, parents, views, in_time, once)
+        return _save_blocks(pool, engine, keys, parents, views, in_time, early)
     finally:
         once()
 

@@ -109,6 +109,12 @@ SPECS: tuple[SettingSpec, ...] = (
                 lambda v: None if 1 <= v <= 256 else "must be 1..256"),
     SettingSpec("transfer_threads", 4, int, "Threads driving transfer batches (event wait, checksum, "
                 "publish).", lambda v: None if 1 <= v <= 64 else "must be 1..64"),
+    SettingSpec("stage_ahead", 4, int, "Save batches that may go on writing from their host stage while as "
+                "many further batches as TLLM_GDS_KV_TRANSFER_THREADS are taken, so saves queued behind slow "
+                "storage are copied off their pages at PCIe speed and their requests reported (the staged "
+                "path only: where GDS or KvikIO writes from the pages, they stay held to the write's end). "
+                "Each such batch holds one stage of up to 72MiB of pinned host memory; 0 takes no batch "
+                "beyond TLLM_GDS_KV_TRANSFER_THREADS.", lambda v: None if 0 <= v <= 64 else "must be 0..64"),
     SettingSpec("async_load_bytes", 4 << 20, parse_size, "Loads larger than this many bytes are asynchronous "
                 "(the request is parked); smaller ones complete before the first layer runs.", _non_negative),
     SettingSpec("deadline_s", 60.0, float, "Connector-side deadline for one transfer batch. A load must "
@@ -187,6 +193,7 @@ class Settings:
     compat_io: str
     io_threads: int
     transfer_threads: int
+    stage_ahead: int
     async_load_bytes: int
     deadline_s: float
     max_queued_save_bytes: int

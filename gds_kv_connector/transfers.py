@@ -76,6 +76,7 @@ class _Batch:
     # and whether its requests' counts were taken off for that already (the executor thread, in poll)
     views_done: bool = False
     released: bool = False
+    ahead: bool = False  # staged, it stopped counting against transfer_threads (stage_ahead)
 
     @property
     def shared(self) -> bool:
@@ -97,18 +98,23 @@ class TransferManager:
         # stream -> an event after the work queued on it so far (None for a host pool): recorded
         # for finished requests' saves only when some arrive, not every iteration
         self._record_event = record_event or (lambda stream: None)
-        self._exec = ThreadPoolExecutor(max_workers=settings.transfer_threads, thread_name_prefix="gdskv-xfer")
+        # transfer_threads batches run at once, and up to stage_ahead more while saves whose engine has
+        # staged their pages write from the stage (each such save gives its place back: _stage_next)
+        self._threads = settings.transfer_threads + settings.stage_ahead
+        self._exec = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="gdskv-xfer")
         # Start every transfer thread now: ThreadPoolExecutor starts them lazily, one per submit, which
         # would put thread creation on the executor thread in the first iteration that transfers.
-        started = threading.Barrier(settings.transfer_threads + 1)
-        for _ in range(settings.transfer_threads):
+        started = threading.Barrier(self._threads + 1)
+        for _ in range(self._threads):
             self._exec.submit(started.wait)
         started.wait()
         # A runner that takes loads only, started for a load submitted while every transfer thread is
         # writing a save batch (up to MERGE_BYTES each): the load would wait for one of them to end.
         self._load_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdskv-load")
         self._load_lane.submit(int).result()  # its thread started now, not in an iteration that needs it
-        self._saving = 0  # save batches running now (transfer threads that would not take a load)
+        self._running = 0  # batches running on transfer threads (the load lane's not counted)
+        self._saving = 0  # of those, saves (transfer threads that would not take a load)
+        self._staged_saves = 0  # of those, saves writing from their stage: not counted against transfer_threads
         self._inflight: list[_Batch] = []  # in submission order, so by acceptance time
         # request id -> its batches in flight that may still touch its pages: every kind, a save until
         # the engine has staged what it reads (then the request may be reported while the write runs)
@@ -194,7 +200,7 @@ class TransferManager:
         self._inflight += batches
         self._queues[_QUEUE_OF[kind]].extend(batches)
         self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
-        if kind != "save" and self._saving >= threads:
+        if kind != "save" and (self._saving - self._staged_saves >= threads or self._saving >= self._threads):
             self._load_lane.submit(self._run_queued, True)
         return batches
 
@@ -242,35 +248,65 @@ class TransferManager:
     def _run_queued(self, loads_only: bool = False) -> None:
         """A runner: take batches until none is left, from the first non-empty queue (loads before
         saves), or with ``loads_only`` from the load queues (the load lane); a cancelled one is
-        skipped.  Several requests' ops are merged here, on the transfer thread, not by the
-        executor thread."""
+        skipped.  A transfer thread's runner stops while ``transfer_threads`` batches that are not
+        staged saves run: the one that ends or stages next takes the following batch.  Several
+        requests' ops are merged here, on the transfer thread, not by the executor thread."""
         queues, lock = (self._queues[:2] if loads_only else self._queues), self._start_lock
+        limit = self.settings.transfer_threads
         while True:
-            batch = _take(queues)
-            if batch is None:
-                return
-            future = batch.future
             with lock:
+                if not loads_only and self._running - self._staged_saves >= limit:
+                    return
+                batch = _take(queues)
+                if batch is None:
+                    return
+                future = batch.future
                 if not future.set_running_or_notify_cancel():
                     continue
                 batch.started = time.monotonic()
                 run = batch.run
                 saving = batch.kind == "save"
+                if not loads_only:
+                    self._running += 1
                 if saving:
                     self._saving += 1
             op = run[0] if len(run) == 1 else _Merged(run)
             try:
                 if saving:  # its deadline counts from its start (its time queued was the storage's, not its own)
                     future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s),
-                                                     _views_done(batch)))
+                                                     _views_done(batch), self._stage_next(batch)))
                 else:
                     future.set_result(self._run_load(op, batch.event, batch.deadline, _load_in_time(batch)))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
             finally:
-                if saving:
-                    with lock:
+                with lock:
+                    if not loads_only:
+                        self._running -= 1
+                    if saving:
                         self._saving -= 1
+                        if batch.ahead:
+                            self._staged_saves -= 1
+
+    def _stage_next(self, batch: _Batch) -> Callable[[], None] | None:
+        """A running save's ``on_staged`` (with ``stage_ahead``): its engine has staged its pages and
+        only writes from the stage are left, so its place among the ``transfer_threads`` running
+        batches goes to the next queued one, whose pages are then copied off at PCIe speed instead of
+        waiting for this write to end."""
+        if not self.settings.stage_ahead:
+            return None
+
+        def staged() -> None:
+            with self._start_lock:
+                batch.ahead = True
+                self._staged_saves += 1
+                more = any(self._queues)
+            if more:
+                try:
+                    self._exec.submit(self._run_queued)
+                except RuntimeError:  # shutting down: nothing further starts
+                    pass
+        return staged
 
     def _run_load(self, op: LoadOp | _Merged, event: Any, deadline: float, in_time: Callable[[], bool]) -> int:
         with trace_range("io/load r{} x{}", "red", op.request_id, len(op.keys)):
@@ -291,11 +327,12 @@ class TransferManager:
                 raise
 
     def _run_save(self, op: SaveOp | _Merged, event: Any, in_time: Callable[[], bool],
-                  views_read: Callable[[], None]) -> SaveOutcome:
+                  views_read: Callable[[], None], on_staged: Callable[[], None] | None) -> SaveOutcome:
         with trace_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
             _wait_event(event)
             views = self.kv.block_views(op.block_ids)
-            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time, views_read)
+            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time, views_read,
+                              on_staged)
             if self._on_saved is not None and out.published:
                 self._on_saved(out.published * self.pool.file_size)
             return out
