@@ -202,7 +202,7 @@ def test_a_fence_stops_waiting_once_the_save_it_waits_for_is_staged(tmp_path):
 
 def test_a_dma_launch_that_fails_leaves_no_copy_running_when_the_pages_are_freed(tmp_path):
     """The second of several asynchronous copies fails to launch: the first is waited for before the
-    staged path calls views_read (its pages then go back while nothing reads them)."""
+    staged path returns, and it never calls views_read (the caller's end frees the pages, after it)."""
     log: list[str] = []
 
     class Stream:
@@ -243,5 +243,4 @@ def test_a_dma_launch_that_fails_leaves_no_copy_running_when_the_pages_are_freed
                 os.close(fd)
             io.close()
     assert all(isinstance(e, RuntimeError) for e in errors)
-    assert log[0] == "launch 0" and "sync 0" in log and log[-1] == "views_read"
-    assert log.index("sync 0") < log.index("views_read")
+    assert log[0] == "launch 0" and "sync 0" in log and "views_read" not in log

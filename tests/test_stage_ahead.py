@@ -82,6 +82,48 @@ def test_without_stage_ahead_the_queued_save_waits_for_the_write(tmp_path):
         r.close()
 
 
+def test_a_save_queued_while_the_running_one_waits_for_its_event_is_taken_once_that_one_stages(tmp_path):
+    """Queued before the running batch staged its pages, it is started by that staging (no batch
+    ends to take it), not by the write's end."""
+    r = _rig(tmp_path, ahead=1)
+    try:
+        first = r.save_op(1, "first", 1, 0)
+        gate = r.ops.hold(first.keys[0])
+        event = go.HeldEvent()
+        r.tm.submit_saves([first], event)
+        assert event.started.wait(go.WAIT_S)  # running, its pages not copied yet
+        behind = r.save_op(2, "behind", 1, 1)
+        r.tm.submit_saves([behind], None)
+        time.sleep(0.05)
+        assert not r.ops.did_move(behind.keys[0])  # one transfer thread, taken by a batch not staged
+        event.go.set()
+        assert gate.started.wait(go.WAIT_S)  # staged, its write held
+        go.wait_until(lambda: r.pool.contains(behind.keys[0]), "the queued batch saved beside the held write")
+        gate.release()
+        _settled(r)
+    finally:
+        r.close()
+
+
+def test_once_a_staged_save_ends_one_unstaged_batch_runs_at_a_time_again(tmp_path):
+    r = _rig(tmp_path, ahead=1)
+    try:
+        r.tm.submit_saves([r.save_op(1, "first", 1, 0)], None)
+        _settled(r)  # staged, then ended: its place is counted back
+        event = go.HeldEvent()
+        r.tm.submit_saves([r.save_op(2, "held", 1, 1)], event)
+        assert event.started.wait(go.WAIT_S)  # running, not staged
+        behind = r.save_op(3, "behind", 1, 2)
+        r.tm.submit_saves([behind], None)
+        time.sleep(0.1)
+        assert not r.ops.did_move(behind.keys[0]), "a second batch not staged ran beside the first"
+        event.go.set()
+        _settled(r)
+        assert r.pool.contains(behind.keys[0])
+    finally:
+        r.close()
+
+
 def test_no_more_batches_than_stage_ahead_are_staged_beyond_the_threads(tmp_path):
     r = _rig(tmp_path, ahead=1)
     try:

@@ -163,11 +163,9 @@ class StagedFileIo:
     # -- internals --------------------------------------------------------------------------------
     def _run(self, items: list[TransferItem], write: bool, in_time: InTime | None = None,
              views_read: ViewsRead | None = None) -> list[BaseException | None]:
-        once = Once(views_read)
-        try:
-            return self._run_chunks(items, write, in_time, once)
-        finally:
-            once()  # where the last chunk's copy did not run (stopped, failed) or no item was valid
+        # Called only where the writes from the stage are still to come: where the last chunk's copy
+        # did not run (stopped, failed) or no item was valid, the caller's own end is the moment.
+        return self._run_chunks(items, write, in_time, Once(views_read))
 
     def _run_chunks(self, items: list[TransferItem], write: bool, in_time: InTime | None,
                     views_read: Once) -> list[BaseException | None]:
