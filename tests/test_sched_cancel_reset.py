@@ -101,6 +101,39 @@ def test_a_tail_cancelled_after_allocation_is_not_counted_as_written():
     assert not premature and later is None
 
 
+class HeadThenTail(Trimming):
+    """Cancels the offer's first block before update_state_after_alloc and its last block after it,
+    and honours nothing (the runtime computes the prompt from its first token)."""
+
+    def _admit(self):
+        tpb = self.cfg.shape.tokens_per_block
+        while self.waiting:
+            req = self.waiting.popleft()
+            need = -(-len(req.prompt) // tpb)
+            req.block_ids = [self.free.popleft() for _ in range(need)]
+            req.hashes.extend_to(req.tokens, len(req.prompt))
+            matched, _ = self.sched.get_num_new_matched_tokens(req, 0)
+            assert matched >= 3 * tpb
+            self.sched.cancel_load(req, 0, tpb)
+            self.sched.update_state_after_alloc(req, self._allocated(req))
+            self.sched.cancel_load(req, matched - tpb, matched)
+            req.pos = req.external = 0
+            req.load_async = False
+            req.verified_blocks = 0
+            req.state = State.CONTEXT
+        return False
+
+
+def test_a_head_cut_before_allocation_and_a_tail_cut_after_count_nothing_as_loaded():
+    """The second cut rebuilds the load from what is queued; the first cut's blocks must still count
+    as not loaded, or the blocks after them look written and are saved before their KV is computed."""
+    _run(ReferenceExecutor, PROMPT[:17], 0)  # blocks 0..3 in the pool
+    premature = []
+    _run(HeadThenTail, PROMPT, 1, premature, chunk_size=4)
+    assert not premature
+    _run(ReferenceExecutor, PROMPT, 2)  # what was saved is the KV of its prefix (checked as it loads)
+
+
 class RollingBack(ReferenceExecutor):
     """Admission of request 1 is rolled back once after its allocation (V2 MAX_UTILIZATION): its
     pages are released and it is queued again to replay from scratch."""
