@@ -36,6 +36,9 @@ class GdsKvMetadata:
     # Requests whose whole offer, already handed to the workers, was cancelled (V2 ``cancel_load``)
     # since the last metadata, under plain TP: every rank's worker stops their loads in start_load_kv.
     cancels: list[int] = field(default_factory=list)
+    # Under plain TP, with asynchronous loads: the file the scheduler also posts those cancels to
+    # (cancel_board.py), which workers read while no metadata comes (every request parked)
+    cancel_board: str = ""
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.resets or self.cancels)

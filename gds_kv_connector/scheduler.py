@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Sequence, Tuple
 
+from .cancel_board import CancelBoard
 from .keys import base_fingerprint, chain_from_tokens, chain_seed, inputs_seed
 from .llm_config import EngineConfig, read_llm_args
 from .local_peer import PeerInfo, lookup
@@ -143,6 +144,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._out_resets: list[int] = []  # reset requests the workers fence at the next metadata (plain TP)
         self._out_cancels: list[int] = []  # requests whose handed-over load the workers stop (plain TP)
         self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
+        self._board: CancelBoard | None = None  # plain TP: cancels for workers that get no metadata
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
         self._min_seen = int(self.settings.admission[5:]) if self.settings.admission.startswith("seen:") else 0
@@ -387,6 +389,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._connect().cancel_loads([st.rid])
         else:
             self._out_cancels.append(st.rid)
+            if self._board is not None:  # made when the load was handed over (build_connector_meta)
+                self._board.post([st.rid])
 
     def request_reset(self, request: Any) -> None:
         """V2: the allocation was released and the request replays from scratch; its pages may hold
@@ -433,7 +437,12 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._out_resets = []
         if cancels:
             self._out_cancels = []
-        return GdsKvMetadata(loads, saves, resets, cancels)
+        board = ""
+        if not self._sole_worker and any(op.is_async for op in loads):  # the loads a cancel can stop
+            if self._board is None:
+                self._board = CancelBoard()
+            board = self._board.path
+        return GdsKvMetadata(loads, saves, resets, cancels, board)
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,

@@ -374,6 +374,11 @@ class TransferManager:
     def has_sync_loads(self) -> bool:
         return bool(self._sync_loads)
 
+    @property
+    def has_async_loads(self) -> bool:
+        """Asynchronous loads not yet reported (a cancel can still stop them)."""
+        return bool(self._pending_loads)
+
     def poll(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         now = time.monotonic()
         if not self._inbox.empty():

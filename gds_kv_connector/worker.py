@@ -7,6 +7,7 @@ from typing import Any, List, Tuple
 
 import torch
 
+from .cancel_board import CancelReader
 from .capacity import CapacityGuard
 from .engines import make_engine
 from .fileops import FileOps
@@ -46,6 +47,7 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.transfers: TransferManager | None = None
         self.recency: RecencyLog | None = None
         self.capacity: CapacityGuard | None = None
+        self._board: CancelReader | None = None  # plain TP: the scheduler's cancels between metadata
         self.stats_publisher: StatsPublisher | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -121,6 +123,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, GdsKvMetadata):
             return
+        if meta.cancel_board and (self._board is None or self._board.path != meta.cancel_board):
+            if self._board is not None:
+                self._board.close()
+            self._board = CancelReader(meta.cancel_board)
         if meta.cancels:
             self.transfers.cancel_loads(meta.cancels)
         if meta.resets:
@@ -153,12 +159,19 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
         if self.transfers is None:
             return [], []
+        board = self._board
+        if board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
+            cancelled = board.new_ids()
+            if cancelled:
+                self.transfers.cancel_loads(cancelled)
         return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> dict[str, int]:
         """Stop accepting transfers, drop queued ones, drain in-flight ones within the control grace."""
         unregister(self._llm_args)
+        if self._board is not None:
+            self._board.close()
         if self.transfers is None:
             return {"dropped": 0, "stuck": 0}
         result = self.transfers.shutdown()

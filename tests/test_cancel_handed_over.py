@@ -11,6 +11,7 @@ a reset (``fence``) stops a running load of its own the same way.
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ import fault_helpers as fh  # noqa: E402
 import gated_ops as go  # noqa: E402
 from connector_helpers import SHAPE, make_executor, rand_tokens, serve  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler  # noqa: E402
+from gds_kv_connector.cancel_board import CancelBoard, CancelReader  # noqa: E402
 from gds_kv_connector.metadata import LoadOp  # noqa: E402
 from gds_kv_connector.reference import SimRequest  # noqa: E402
 
@@ -246,3 +248,52 @@ def test_under_plain_tp_the_cancel_rides_in_the_next_metadata(served, monkeypatc
     ex.worker.bind_connector_meta(meta)
     ex.worker.start_load_kv(None)
     assert stopped == [[101]]
+
+
+def test_under_plain_tp_a_cancel_reaches_the_workers_while_no_metadata_comes(served, monkeypatch):
+    """Every request parked: TensorRT-LLM builds no metadata, yet the cancel must stop the other
+    ranks' loads within its control grace.  The scheduler posts it to the board the hand-over named,
+    which each worker reads in get_finished."""
+    ex, prompt = served
+    monkeypatch.setattr(GdsKvConnectorScheduler, "_sole_worker", property(lambda self: False))
+    stopped: list[list[int]] = []
+    real_cancel = ex.worker.transfers.cancel_loads
+
+    def cancel(rids):
+        stopped.append(list(rids))
+        real_cancel(rids)
+    monkeypatch.setattr(ex.worker.transfers, "cancel_loads", cancel)
+    req = _request(104, prompt)
+    matched, _ = ex.sched.get_num_new_matched_tokens(req, 0)
+    ex.sched.update_state_after_alloc(req, list(range(200, 207)))
+    meta = ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    assert meta.cancel_board and os.path.exists(meta.cancel_board)
+    other_rank = CancelReader(meta.cancel_board)  # another rank's worker, in its own process
+    ex.worker.bind_connector_meta(meta)
+    ex.worker.start_load_kv(None)
+    ex.sched.cancel_load(req, 0, matched)  # no build_connector_meta follows
+    done = ex.worker.get_finished([], [104])[1]  # TensorRT-LLM polls every iteration, with or without a forward
+    end = time.monotonic() + 10
+    while not done and time.monotonic() < end:
+        time.sleep(0.002)
+        done = ex.worker.get_finished([], [])[1]
+    assert stopped[:1] == [[104]] and done == [104]
+    assert other_rank.new_ids() == [104] and other_rank.new_ids() == []
+    other_rank.close()
+
+
+def test_a_cancel_board_reads_whole_ids_once_and_goes_with_its_scheduler(tmp_path):
+    board = CancelBoard()
+    reader = CancelReader(board.path)
+    assert reader.new_ids() == []
+    board.post([7, 2**40])
+    with open(board.path, "ab") as f:
+        f.write(b"\x05\x00\x00")  # the first bytes of an id whose post has not ended
+    assert reader.new_ids() == [7, 2**40]
+    with open(board.path, "ab") as f:
+        f.write(b"\x00\x00\x00\x00\x00")
+    assert reader.new_ids() == [5]
+    board.close()
+    assert not os.path.exists(board.path)
+    assert CancelReader(board.path).new_ids() == []  # gone, or on another node: the metadata still comes
+    reader.close()
