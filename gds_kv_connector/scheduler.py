@@ -145,6 +145,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._out_cancels: list[int] = []  # requests whose handed-over load the workers stop (plain TP)
         self._cancelled: dict[int, list[tuple[int, int]]] = {}  # cancel_load ranges before allocation
         self._board: CancelBoard | None = None  # plain TP: cancels for workers that get no metadata
+        self._board_tried = False
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
         self._min_seen = int(self.settings.admission[5:]) if self.settings.admission.startswith("seen:") else 0
@@ -439,9 +440,10 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._out_cancels = []
         board = ""
         if not self._sole_worker and any(op.is_async for op in loads):  # the loads a cancel can stop
-            if self._board is None:
-                self._board = CancelBoard()
-            board = self._board.path
+            if not self._board_tried:
+                self._board_tried = True
+                self._board = CancelBoard.open()
+            board = self._board.path if self._board is not None else ""
         return GdsKvMetadata(loads, saves, resets, cancels, board)
 
     def _flush_match_counts(self) -> None:

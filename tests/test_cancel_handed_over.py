@@ -250,6 +250,17 @@ def test_under_plain_tp_the_cancel_rides_in_the_next_metadata(served, monkeypatc
     assert stopped == [[101]]
 
 
+def _until_loaded(worker, rid: int) -> None:
+    """Poll as TensorRT-LLM does, every iteration, until the worker reports ``rid`` loaded."""
+    done = worker.get_finished([], [rid])[1]
+    end = time.monotonic() + 10
+    while not done:
+        assert time.monotonic() < end, f"request {rid} not reported loaded"
+        time.sleep(0.002)
+        done = worker.get_finished([], [])[1]
+    assert done == [rid]
+
+
 def test_under_plain_tp_a_cancel_reaches_the_workers_while_no_metadata_comes(served, monkeypatch):
     """Every request parked: TensorRT-LLM builds no metadata, yet the cancel must stop the other
     ranks' loads within its control grace.  The scheduler posts it to the board the hand-over named,
@@ -282,8 +293,8 @@ def test_under_plain_tp_a_cancel_reaches_the_workers_while_no_metadata_comes(ser
     other_rank.close()
 
 
-def test_a_cancel_board_reads_whole_ids_once_and_goes_with_its_scheduler(tmp_path):
-    board = CancelBoard()
+def test_a_cancel_board_reads_whole_ids_once_and_goes_with_its_scheduler():
+    board = CancelBoard.open()
     reader = CancelReader(board.path)
     assert reader.new_ids() == []
     board.post([7, 2**40])
@@ -297,3 +308,70 @@ def test_a_cancel_board_reads_whole_ids_once_and_goes_with_its_scheduler(tmp_pat
     assert not os.path.exists(board.path)
     assert CancelReader(board.path).new_ids() == []  # gone, or on another node: the metadata still comes
     reader.close()
+
+
+def test_a_cancel_posted_while_a_rank_had_nothing_in_flight_never_stops_a_replay_s_load(served, monkeypatch):
+    """This rank had finished its part of request 300's load when the runtime cancelled the whole offer
+    (another rank still loading), so it did not read the board; the request is reset and replays
+    under the same id: its new load must arrive whole, the stale board entry notwithstanding."""
+    ex, prompt = served
+    monkeypatch.setattr(GdsKvConnectorScheduler, "_sole_worker", property(lambda self: False))
+    sched, worker = ex.sched, ex.worker
+    req = _request(300, prompt)
+    matched, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, list(range(200, 207)))
+    worker.bind_connector_meta(sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[])))
+    worker.start_load_kv(None)
+    _until_loaded(worker, 300)
+    sched.cancel_load(req, 0, matched)  # posted; nothing in flight here, so not read
+    worker.get_finished([], [])
+    sched.request_reset(req)
+    again = _request(300, prompt)
+    assert sched.get_num_new_matched_tokens(again, 0) == (matched, True)
+    sched.update_state_after_alloc(again, list(range(100, 107)))
+    meta = sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    event = go.HeldEvent()  # the forward after start_load_kv has not ended: the load is still queued
+    monkeypatch.setattr(worker, "_record_event", lambda stream: event)
+    before = worker.stats.snapshot().get("load_blocks_cancelled", 0)
+    worker.bind_connector_meta(meta)
+    worker.start_load_kv(None)
+    event.go.set()
+    _until_loaded(worker, 300)
+    assert worker.stats.snapshot().get("load_blocks_cancelled", 0) == before
+    for b in range(matched // TPB):
+        assert worker.kv.block_view(100 + b).numpy().tobytes() == worker.kv.block_view(200 + b).numpy().tobytes()
+
+
+def test_tp1_and_adp_make_no_cancel_board(served):
+    ex, prompt = served  # TP 1: the worker is told at once
+    req = _request(105, prompt)
+    ex.sched.get_num_new_matched_tokens(req, 0)
+    ex.sched.update_state_after_alloc(req, list(range(200, 207)))
+    meta = ex.sched.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    assert meta.loads and meta.cancel_board == "" and ex.sched._board is None
+
+
+def test_a_board_that_cannot_be_made_or_written_leaves_the_cancels_to_the_metadata(tmp_path, caplog):
+    assert CancelBoard.open(str(tmp_path / "missing")) is None  # logged, not raised
+    board = CancelBoard.open(str(tmp_path))
+    os.close(board._fd)
+    board._fd = os.open(os.devnull, os.O_RDONLY)  # a write fails, as on a full /dev/shm
+    board.post([1])
+    board.post([2])
+    assert caplog.text.count("not written") == 1
+    board.close()
+
+
+def test_a_killed_scheduler_s_board_is_swept_by_the_next_one(tmp_path):
+    import subprocess
+    import sys
+    code = ("import os,sys; from gds_kv_connector.cancel_board import CancelBoard; "
+            "b = CancelBoard.open(sys.argv[1]); print(b.path, flush=True); os._exit(1)")
+    left = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          check=False, timeout=60).stdout.strip()
+    assert os.path.exists(left)  # killed: nothing removed it
+    other_host = tmp_path / "gdskv-cancels-elsewhere-1-00"
+    other_host.write_bytes(b"")
+    board = CancelBoard.open(str(tmp_path))
+    assert not os.path.exists(left) and other_host.exists() and os.path.exists(board.path)
+    board.close()
