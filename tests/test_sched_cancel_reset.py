@@ -27,6 +27,12 @@ class Trimming(ReferenceExecutor):
     honour_blocks = 1
     when = "before"
 
+    def _cuts(self, matched: int, tpb: int):
+        """The token ranges cancelled before and after update_state_after_alloc, and the tokens honoured."""
+        honoured = min(matched, self.honour_blocks * tpb)
+        cut = [(honoured, matched)] if honoured < matched else []
+        return (cut, [], honoured) if self.when == "before" else ([], cut, honoured)
+
     def _admit(self):  # the reference _admit, with a partly honoured offer
         tpb = self.cfg.shape.tokens_per_block
         while self.waiting:
@@ -36,12 +42,12 @@ class Trimming(ReferenceExecutor):
             req.hashes.extend_to(req.tokens, len(req.prompt))
             matched, is_async = self.sched.get_num_new_matched_tokens(req, 0)
             assert not is_async
-            honoured = min(matched, self.honour_blocks * tpb)
-            if honoured < matched and self.when == "before":
-                self.sched.cancel_load(req, honoured, matched)
+            before, after, honoured = self._cuts(matched, tpb)
+            for start, end in before:
+                self.sched.cancel_load(req, start, end)
             self.sched.update_state_after_alloc(req, self._allocated(req))
-            if honoured < matched and self.when == "after":
-                self.sched.cancel_load(req, honoured, matched)
+            for start, end in after:
+                self.sched.cancel_load(req, start, end)
             req.pos, req.external, req.load_async = honoured, honoured, False
             req.verified_blocks = 0
             self.stats.loaded_tokens += honoured
@@ -105,23 +111,9 @@ class HeadThenTail(Trimming):
     """Cancels the offer's first block before update_state_after_alloc and its last block after it,
     and honours nothing (the runtime computes the prompt from its first token)."""
 
-    def _admit(self):
-        tpb = self.cfg.shape.tokens_per_block
-        while self.waiting:
-            req = self.waiting.popleft()
-            need = -(-len(req.prompt) // tpb)
-            req.block_ids = [self.free.popleft() for _ in range(need)]
-            req.hashes.extend_to(req.tokens, len(req.prompt))
-            matched, _ = self.sched.get_num_new_matched_tokens(req, 0)
-            assert matched >= 3 * tpb
-            self.sched.cancel_load(req, 0, tpb)
-            self.sched.update_state_after_alloc(req, self._allocated(req))
-            self.sched.cancel_load(req, matched - tpb, matched)
-            req.pos = req.external = 0
-            req.load_async = False
-            req.verified_blocks = 0
-            req.state = State.CONTEXT
-        return False
+    def _cuts(self, matched: int, tpb: int):
+        assert matched >= 3 * tpb
+        return [(0, tpb)], [(matched - tpb, matched)], 0
 
 
 def test_a_head_cut_before_allocation_and_a_tail_cut_after_count_nothing_as_loaded():
