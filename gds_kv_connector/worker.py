@@ -127,8 +127,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             if self._board is not None:
                 self._board.close()
             self._board = CancelReader(meta.cancel_board)
-        if meta.loads and self._board is not None:  # ids posted while nothing was in flight here: never
-            stale = self._board.new_ids()  # let them stop these loads (a replay keeps its request id)
+        if meta.loads and self._board is not None:
+            # ids posted while nothing was in flight here are read before these loads are submitted:
+            # one must never stop a replay's load (a request reset and replayed keeps its id)
+            stale = self._board.new_ids()
             if stale:
                 self.transfers.cancel_loads(stale)
         if meta.cancels:
