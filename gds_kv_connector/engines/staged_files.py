@@ -32,7 +32,7 @@ import torch
 
 from ..fileops import FileOps, write_all
 from ..pool_format import PAGE, align_up
-from .base import InTime, Once, TransferItem, ViewsRead, expired_check, run_all
+from .base import InTime, TransferItem, ViewsRead, expired_check, run_all
 
 # Holds a merged save batch whole (transfers.MERGE_BYTES, 64 MiB of payload) with each block's header
 # page, for blocks of 32 KiB and more: its pages are then read in one copy and free before its writes.
@@ -163,12 +163,6 @@ class StagedFileIo:
     # -- internals --------------------------------------------------------------------------------
     def _run(self, items: list[TransferItem], write: bool, in_time: InTime | None = None,
              views_read: ViewsRead | None = None) -> list[BaseException | None]:
-        # Called only where the writes from the stage are still to come: where the last chunk's copy
-        # did not run (stopped, failed) or no item was valid, the caller's own end is the moment.
-        return self._run_chunks(items, write, in_time, Once(views_read))
-
-    def _run_chunks(self, items: list[TransferItem], write: bool, in_time: InTime | None,
-                    views_read: Once) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(items)
         sizes = [it.view.numel() * it.view.element_size() for it in items]
         # Items with a header move it in the same I/O: their slot starts that many bytes before the payload.
@@ -191,7 +185,9 @@ class StagedFileIo:
                 expired_check(in_time, reading=not write)  # stopped: the chunk's pages are not touched
                 if write:
                     self._to_host(pairs, pitch)
-                    if c == len(chunks) - 1:  # no view is read again
+                    # No view is read again.  Called only where writes from the stage are still to come:
+                    # where this copy does not run (stopped, failed), the caller's own end is the moment.
+                    if c == len(chunks) - 1 and views_read is not None:
                         views_read()
             except Exception as exc:  # noqa: BLE001 - every item of the chunk fails with it
                 for i in chunk:
