@@ -115,7 +115,8 @@ SPECS: tuple[SettingSpec, ...] = (
                 "path only: where GDS or KvikIO writes from the pages, they stay held to the write's end). "
                 "There are TLLM_GDS_KV_TRANSFER_THREADS plus this many transfer threads, each with its own "
                 "stage of 72MiB of pinned host memory once it has staged a batch (kept while the process "
-                "runs); 0 takes no batch beyond TLLM_GDS_KV_TRANSFER_THREADS.", lambda v: None if 0 <= v <= 64 else "must be 0..64"),
+                "runs); 0 takes no batch beyond TLLM_GDS_KV_TRANSFER_THREADS.",
+                lambda v: None if 0 <= v <= 64 else "must be 0..64"),
     SettingSpec("async_load_bytes", 4 << 20, parse_size, "Loads larger than this many bytes are asynchronous "
                 "(the request is parked); smaller ones complete before the first layer runs.", _non_negative),
     SettingSpec("deadline_s", 60.0, float, "Connector-side deadline for one transfer batch. A load must "

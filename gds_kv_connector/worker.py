@@ -127,12 +127,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             if self._board is not None:
                 self._board.close()
             self._board = CancelReader(meta.cancel_board)
-        if meta.loads and self._board is not None:
+        if meta.loads:
             # ids posted while nothing was in flight here are read before these loads are submitted:
             # one must never stop a replay's load (a request reset and replayed keeps its id)
-            stale = self._board.new_ids()
-            if stale:
-                self.transfers.cancel_loads(stale)
+            self._cancels_from_board()
         if meta.cancels:
             self.transfers.cancel_loads(meta.cancels)
         if meta.resets:
@@ -165,12 +163,16 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
         if self.transfers is None:
             return [], []
-        board = self._board
-        if board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
-            cancelled = board.new_ids()
+        if self._board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
+            self._cancels_from_board()
+        return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+
+    def _cancels_from_board(self) -> None:
+        """Stop the loads of requests the scheduler posted to its cancel board since the last read."""
+        if self._board is not None:
+            cancelled = self._board.new_ids()
             if cancelled:
                 self.transfers.cancel_loads(cancelled)
-        return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
 
     # -- shutdown ---------------------------------------------------------------------------------
     def shutdown(self) -> dict[str, int]:
