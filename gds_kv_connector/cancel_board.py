@@ -3,7 +3,7 @@
 Under plain TP only rank 0 has a scheduler, and every worker hears of a whole handed-over offer
 cancelled (``cancel_load``) from the next metadata.  TensorRT-LLM builds metadata only in an
 iteration that can queue work (contract 6b): with every request parked for its load none does,
-while a cancelled request's deadline is now its control grace (about a second), so the other
+while a cancelled request's deadline is now TensorRT-LLM's control grace (``control_grace_sec``), so the other
 ranks' loads would run on until the process fails.  The scheduler therefore also posts each such
 request id to a small file that every worker on the node reads in ``get_finished`` while it has
 asynchronous loads in flight, and in ``start_load_kv`` before it submits new ones (an id posted

@@ -20,6 +20,8 @@ class EngineConfig:
     # context parallelism: each rank holds part of a sequence's KV (and the TP shard is no longer
     # the MPI rank modulo tp_size), so a block keyed by its prefix would be a fragment
     cp_size: int = 1
+    # pipeline parallelism: each rank holds some layers' KV; TensorRT-LLM refuses connectors with it
+    pp_size: int = 1
 
     @property
     def sharded_attention(self) -> bool:
@@ -44,6 +46,9 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
     cp = getattr(llm_args, "context_parallel_size", None)
     if cp is None:
         cp = getattr(getattr(llm_args, "parallel_config", None), "cp_size", 1)
+    pp = getattr(llm_args, "pipeline_parallel_size", None)
+    if pp is None:
+        pp = getattr(getattr(llm_args, "parallel_config", None), "pp_size", 1)
     model = model_id_override
     if not model:
         model = str(getattr(llm_args, "model", "") or "unknown-model")
@@ -54,7 +59,16 @@ def read_llm_args(llm_args: Any, model_id_override: str = "") -> EngineConfig:
         raise ValueError(f"tokens_per_block must be positive, got {tpb}")
     precision = _precision(llm_args, kv_cfg)
     kv_part = precision.split(" ", 1)[1].lower()  # "kv=... kv_quant=...": the model dtype is not the KV's
-    return EngineConfig(int(tpb), int(tp or 1), adp, model, precision, "fp4" in kv_part, int(cp or 1))
+    return EngineConfig(int(tpb), int(tp or 1), adp, model, precision, "fp4" in kv_part, int(cp or 1),
+                        int(pp or 1))
+
+
+def check_parallelism(cfg: EngineConfig) -> None:
+    """Refuse pipeline and context parallelism in one line: a rank's block would hold some layers'
+    KV (PP) or a fragment of the sequence's (CP), which a key naming the whole prefix cannot name."""
+    if cfg.pp_size != 1 or cfg.cp_size != 1:
+        raise ValueError(f"gds-kv-connector supports pp_size 1 and cp_size 1 only (got pp_size={cfg.pp_size}, "
+                         f"cp_size={cfg.cp_size}): a rank's KV block would be part of the prefix's KV")
 
 
 def _precision(llm_args: Any, kv_cfg: Any) -> str:

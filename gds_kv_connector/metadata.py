@@ -17,6 +17,9 @@ class LoadOp(NamedTuple):
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     is_async: bool
+    # the prefix reservation whose accepted load this is (``SchedulerOutput.prefix_loads``), reported
+    # by ``get_finished_prefix_loads`` once done; 0 for a load answered by get_num_new_matched_tokens
+    reservation: int = 0
 
 
 class SaveOp(NamedTuple):
@@ -39,6 +42,12 @@ class GdsKvMetadata:
     # Under plain TP, with asynchronous loads: the file the scheduler also posts those cancels to
     # (cancel_board.py), which workers read while no metadata comes (every request parked)
     cancel_board: str = ""
+    # Each metadata the scheduler builds has its own serial; one built again for the same scheduler
+    # output (TensorRT-LLM rebuilds a bound plan after releasing an unstarted load) names the serial
+    # it replaces, so a worker never starts a load or a save twice (``start_load_kv`` may also be
+    # called again with the same binding).
+    serial: int = 0
+    replaces: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.resets or self.cancels)

@@ -13,12 +13,13 @@ from typing import Any, List, Sequence, Tuple
 
 from .cancel_board import CancelBoard
 from .keys import base_fingerprint, chain_from_tokens, chain_seed, inputs_seed
-from .llm_config import EngineConfig, read_llm_args
+from .llm_config import EngineConfig, check_parallelism, read_llm_args
 from .local_peer import PeerInfo, lookup
 from .metadata import GdsKvMetadata, LoadOp, SaveOp
 from .pool import BlockPool
 from .pool_format import ZERO_KEY
 from .recency import RecencyLog
+from .reservations import ReservationKeeper
 from .settings import Settings, SettingsError
 from .trace_ranges import check_mode, traced
 from .trtllm_api import KvCacheConnectorScheduler
@@ -60,6 +61,7 @@ class _Request:
     handed: tuple[int, int] | None = None
     reported: bool = False
     dispatched: bool = False  # a save or load was handed to the worker
+    allocated: bool = False  # update_state_after_alloc ran for this attempt
 
     def set_tokens(self, tokens: Sequence[int], adopt: bool = False) -> None:
         """Take ``tokens``, all of the request's tokens, as its tokens: those from ``base`` on are
@@ -71,7 +73,7 @@ class _Request:
         list of the scheduler's own, which later reports extend in place, so a caller's list is
         never mutated.  Tokens that differ from those kept drop the keys, which are then made
         again from all of them; the dropped ones are not compared (a request's earlier tokens
-        change only in a replay, and ``request_reset`` drops its state first).
+        change only in a replay, whose first sight drops the earlier attempt's state first).
         """
         old, base = self.tokens, self.base
         have = base + len(old)
@@ -106,6 +108,16 @@ class _Request:
         return keys if len(keys) == n_blocks else keys[:n_blocks]
 
 
+@dataclass(slots=True)
+class _Reservation:
+    """A prefix reservation: the blocks it promised from ``first`` on, and which are still protected."""
+
+    rid: int
+    first: int
+    keys: list[bytes]
+    protected: list[bool]
+
+
 class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     """TensorRT-LLM connector scheduler over a shared GDS/POSIX block pool."""
 
@@ -116,6 +128,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self.settings = Settings.load_from()
         check_mode(self.settings.trace)
         self.config: EngineConfig = read_llm_args(llm_args, self.settings.model_id)
+        check_parallelism(self.config)
         # read on every callback: plain attributes, not settings lookups
         self._tpb = self.config.tokens_per_block
         self._load, self._save = self.settings.load, self.settings.save
@@ -149,6 +162,16 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         self._match = [0, 0, 0]  # queries, blocks hit, blocks missed since the last build_connector_meta
         self._min_seen = int(self.settings.admission[5:]) if self.settings.admission.startswith("seen:") else 0
+        # prefix reservations (the newest manager's optional protocol), by reservation id
+        self._reservations: dict[int, _Reservation] = {}
+        self._keeper: ReservationKeeper | None = None
+        self._emitted_reservations: set[int] = set()  # whose load a metadata carried
+        # The last plan built, for TensorRT-LLM's rebuild of a bound plan from the same scheduler output
+        # (after it releases an unstarted load): the output, the requests it named, and the plan.
+        self._serial = 0
+        self._last_out: Any = None
+        self._last_rids: frozenset[int] = frozenset()
+        self._last_meta: GdsKvMetadata | None = None
 
     # -- wiring -----------------------------------------------------------------------------------
     def wait_for_initialization(self) -> None:
@@ -209,26 +232,74 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     # -- admission --------------------------------------------------------------------------------
     @traced("sched/match", "green")
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]:
-        if getattr(request, "is_dummy_request", False):
+        found = self._find_prefix(request, num_computed_tokens)
+        if found is None:
             return 0, False
+        st, first, hit, is_async = found
+        st.pending_load = (first, hit, is_async)
+        return len(hit) * self._tpb, is_async
+
+    @traced("sched/reserve", "green")
+    def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> Tuple[int, bool]:
+        """The newest manager's admission query (prefix-aware scheduling): the prefix matched after
+        ``num_computed_tokens`` is protected from every owner's eviction (``ReservationKeeper``)
+        until TensorRT-LLM releases it; nothing is loaded and no page is written until the load
+        arrives accepted in ``SchedulerOutput.prefix_loads``."""
+        found = self._find_prefix(request, num_computed_tokens)
+        if found is None:
+            return 0, False
+        st, first, hit, is_async = found
+        self._reservations[reservation_id] = _Reservation(st.rid, first, hit, [True] * len(hit))
+        if self._keeper is None:
+            self._keeper = ReservationKeeper(self._recency.promise, self.settings.evict_grace_s / 4)
+        self._keeper.hold(reservation_id, hit)
+        return len(hit) * self._tpb, is_async
+
+    def release_prefix_reservation(self, request: Any, reservation_id: int, start: int, end: int) -> None:
+        """Stop protecting the reservation's blocks that overlap tokens ``[start, end)``; the others,
+        and other reservations of the same blocks, keep theirs."""
+        res = self._reservations.get(reservation_id)
+        if res is None or end <= start:
+            return
+        tpb = self._tpb
+        lo, hi = max(start // tpb - res.first, 0), min(-(-end // tpb) - res.first, len(res.keys))
+        for i in range(lo, hi):
+            res.protected[i] = False
+        kept = [k for k, on in zip(res.keys, res.protected) if on]
+        self._keeper.keep(reservation_id, kept)
+        if not kept:
+            del self._reservations[reservation_id]
+            self._emitted_reservations.discard(reservation_id)
+
+    def _find_prefix(self, request: Any, num_computed_tokens: int) -> tuple[_Request, int, list[bytes], bool] | None:
+        """The prefix in the pool after ``num_computed_tokens``: (state, first block, keys, async),
+        promised to the request; None when nothing is to be loaded.
+
+        The query is once per allocation: a request id seen here before is a replay (its allocation
+        was destroyed, by a rollback or a failed admission, with no connector hook called), and
+        starts from scratch (:meth:`_drop_attempt`)."""
+        if getattr(request, "is_dummy_request", False):
+            return None
+        if _request_id(request) in self._reqs:
+            self._drop_attempt(_request_id(request))
         if not self._load:
             if self._save:  # its seed from the request itself (salt, adapter, inputs), not a later report
                 self._state(request)
-            return 0, False
+            return None
         tpb = self._tpb
         st = self._state(request)
         if st is None:
-            return 0, False
+            return None
         if num_computed_tokens == 0 and not st.tokens and self._first_block_absent(request, st):
-            return 0, False
+            return None
         st.set_tokens(request.get_tokens(0), adopt=True)
         st.prompt_len = total = st.base + len(st.tokens)
         if num_computed_tokens % tpb:
-            return 0, False
+            return None
         first = num_computed_tokens // tpb
         limit = (total - 1) // tpb  # always leave one prompt token to compute
         if first >= limit:
-            return 0, False
+            return None
         pools = self._lookup_pools
         if first == 0 and not st.keys:
             # a new prompt: keyed and counted by the pool, a long one in one step (match_chain)
@@ -247,12 +318,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         m[1] += n
         m[2] += limit - first - n
         if n == 0:
-            return 0, False
+            return None
         is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
         hit = keys[first:first + n]
         self._recency.promise(hit)  # protects the promise from eviction until pinned
-        st.pending_load = (first, hit, is_async)
-        return n * tpb, is_async
+        return st, first, hit, is_async
 
     def _first_block_absent(self, request: Any, st: _Request) -> bool:
         """For a new long prompt, whether its first block is missing from the pool, read from that
@@ -278,8 +348,17 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
     @traced("sched/after_alloc", "green")
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None:
-        st = self._reqs.get(_request_id(request))
-        if st is None or st.pending_load is None:
+        """A second allocation of a request without a query between is a replay too: the first was
+        destroyed, and nothing of it may be loaded into or saved from."""
+        rid = _request_id(request)
+        st = self._reqs.get(rid)
+        if st is not None and st.allocated:
+            self._drop_attempt(rid)
+            st = self._state(request)
+        if st is None:
+            return
+        st.allocated = True
+        if st.pending_load is None:
             return
         first, keys, is_async = st.pending_load
         st.pending_load = None
@@ -365,8 +444,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     def _stop_handed_over(self, st: _Request, start: int, end: int) -> None:
         """Stop an asynchronous load already handed to the workers whose whole offer the runtime
         will not use (the parked request was cancelled, timed out or failed): TensorRT-LLM waits for
-        the load before it frees the pages, and after a cancel for only its control grace (about a
-        second) before it fails the process, while a long prompt's load from disk can take many.
+        the load before it frees the pages, and after a cancel for only its control grace
+        (``control_grace_sec``) before it fails the process, while a long prompt's load from disk can take many.
         Its queued blocks are dropped and its running reads stop between blocks
         (``TransferManager.cancel_loads``); the request is reported loaded once they have.  The
         blocks handed over are what counts (cuts before the hand-over are out already), and cuts of
@@ -394,16 +473,22 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 self._board.post([st.rid])
 
     def request_reset(self, request: Any) -> None:
-        """V2: the allocation was released and the request replays from scratch; its pages may hold
-        another request's KV after the next forward.  A load of it not yet handed to the workers is
+        """V2 versions that call it: the allocation was released and the request replays from
+        scratch (:meth:`_drop_attempt`).  Versions that do not are served as well: a replay is
+        recognised by its next query, allocation or first report."""
+        self._drop_attempt(_request_id(request))
+
+    def _drop_attempt(self, rid: int) -> None:
+        """The request's allocation was destroyed; its pages may hold another request's KV after
+        the next forward.  A load of it not yet handed to the workers is
         dropped here.  Transfers already handed over are fenced (``TransferManager.fence``) before
         that forward: a save reading the pages later would publish another request's KV under this
         one's keys, a load would write into another request's pages.  The next metadata carries the
         id, and every worker fences in start_load_kv (before every forward): it waits for the
         request's running transfers and raises ConnectorFailure if one outlives its deadline (a
         wrong publish is worse than a crash), from a callback whose exceptions TensorRT-LLM treats
-        as fatal.  The process's only worker (TP 1, attention DP) also drops the queued ones now."""
-        rid = _request_id(request)
+        as fatal.  The process's only worker (TP 1, attention DP) also drops the queued ones now.
+        The request's prefix reservations are not touched: TensorRT-LLM releases each by its id."""
         st = self._reqs.pop(rid, None)
         self._opaque.discard(rid)
         self._prefilling.discard(rid)
@@ -425,15 +510,30 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
     @traced("sched/build_meta", "green")
     def build_connector_meta(self, scheduler_output: Any) -> GdsKvMetadata | None:
         """This iteration's loads and saves for the workers; None where there are none (most decode
-        iterations), so no object is built, broadcast under TP, bound and freed for nothing."""
+        iterations), so no object is built, broadcast under TP, bound and freed for nothing.
+
+        The same scheduler output given again is TensorRT-LLM rebuilding the plan it bound, after
+        taking out a request whose load had not started (:meth:`_rebuild`)."""
+        if scheduler_output is self._last_out:
+            return self._rebuild(scheduler_output)
+        prefix_loads = getattr(scheduler_output, "prefix_loads", None) or ()
+        loads: list[LoadOp] = [op for pl in prefix_loads if (op := self._prefix_load(pl)) is not None]
         saves: list[SaveOp] = []
-        self._fold_reports(scheduler_output.new_requests, True, saves)
+        new = scheduler_output.new_requests
+        self._fold_reports(new, True, saves)
         self._fold_reports(scheduler_output.cached_requests, False, saves)
         self._flush_match_counts()
-        loads, resets, cancels = self._out_loads, self._out_resets, self._out_cancels
+        loads += self._take_loads(new)
+        self._last_out = scheduler_output
+        self._last_rids = frozenset(_rids_named(scheduler_output))
+        self._last_meta = self._plan(loads, saves, 0)
+        return self._last_meta
+
+    def _plan(self, loads: list[LoadOp], saves: list[SaveOp], replaces: int) -> GdsKvMetadata | None:
+        """The metadata of these loads and saves, with the resets and cancels queued since the last."""
+        resets, cancels = self._out_resets, self._out_cancels
         if not loads and not saves and not resets and not cancels:
             return None
-        self._out_loads = []
         if resets:
             self._out_resets = []
         if cancels:
@@ -444,7 +544,77 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                 self._board_tried = True
                 self._board = CancelBoard.open()
             board = self._board.path if self._board is not None else ""
-        return GdsKvMetadata(loads, saves, resets, cancels, board)
+        self._serial += 1
+        return GdsKvMetadata(loads, saves, resets, cancels, board, self._serial, replaces)
+
+    def _take_loads(self, new_requests: Sequence[Any]) -> list[LoadOp]:
+        """The queued loads to hand over now: every asynchronous one (its request is parked, or the
+        workers drop it unconfirmed), and a synchronous one only with its request's first report:
+        an admission dropped after ``update_state_after_alloc`` is not in the batch, and its load
+        must never write the pages its destroyed allocation gave back (it waits for the replay,
+        which drops it, or for ``request_finished``)."""
+        queued = self._out_loads
+        if not queued:
+            return []
+        if all(op.is_async for op in queued):
+            self._out_loads = []
+            return queued
+        scheduled = {rd.request_id for rd in new_requests}
+        now = [op for op in queued if op.is_async or op.request_id in scheduled]
+        self._out_loads = [op for op in queued if not op.is_async and op.request_id not in scheduled]
+        return now
+
+    def _rebuild(self, scheduler_output: Any) -> GdsKvMetadata | None:
+        """The plan bound last, built again for the same output less the requests TensorRT-LLM took
+        out of it (their loads had not started; they terminate or replay): their state is dropped
+        and their transfers with it.  Saves planned in the replaced binding for the requests still
+        in the output are carried over, so none is lost; nothing is folded twice."""
+        gone = self._last_rids - set(_rids_named(scheduler_output))
+        for rid in gone:
+            self._drop_attempt(rid)
+        prev = self._last_meta
+        loads = [op for op in prev.loads if op.request_id not in gone] if prev is not None else []
+        saves = [op for op in prev.saves if op.request_id not in gone] if prev is not None else []
+        loads += self._take_loads(scheduler_output.new_requests)
+        resets, cancels = (prev.resets, prev.cancels) if prev is not None else ([], [])
+        self._out_resets[:0] = [r for r in resets if r not in self._out_resets]
+        self._out_cancels[:0] = [c for c in cancels if c not in self._out_cancels]
+        self._last_rids -= gone
+        self._last_meta = self._plan(loads, saves, prev.serial if prev is not None else 0)
+        return self._last_meta
+
+    def _prefix_load(self, pl: Any) -> LoadOp | None:
+        """The load of an accepted prefix reservation: its blocks inside ``[start, end)`` into the
+        pages the runtime gave them, and nothing past that range; each reservation's load is handed
+        over once, and an empty one still is, so the worker reports its id."""
+        rid_res = pl.reservation_id
+        if rid_res in self._emitted_reservations:
+            return None
+        res = self._reservations.get(rid_res)
+        if res is None:
+            raise RuntimeError(f"gds-kv-connector: prefix load {rid_res} of request {pl.request_id} names no "
+                               "reservation this scheduler made (released before its load was accepted)")
+        groups = pl.block_ids_by_layer_group
+        if len(groups) != 1:
+            raise NotImplementedError("gds-kv-connector supports one KV layer group")
+        pages = groups[0]
+        tpb = self._tpb
+        lo = max(-(-pl.start // tpb), res.first)
+        hi = min(pl.end // tpb, res.first + len(res.keys), len(pages))
+        moved = [(res.keys[b - res.first], pages[b]) for b in range(lo, hi) if pages[b] >= 0]
+        self._emitted_reservations.add(rid_res)
+        op = LoadOp(pl.request_id, tuple(k for k, _ in moved), tuple(p for _, p in moved), bool(pl.is_async),
+                    rid_res)
+        st = self._reqs.get(pl.request_id)
+        if st is not None and hi > lo:
+            st.load_range = (lo, hi)  # in the pool: none of these blocks is saved again
+            st.kv_end = max(st.kv_end, hi * tpb)
+            if pl.is_async:
+                st.handed = (lo, hi)
+            else:
+                st.sync_loaded_tokens = pl.end - pl.start  # what the runtime subtracts from its first report
+            st.dispatched = True
+        return op
 
     def _flush_match_counts(self) -> None:
         """The match counters go to the shared stats (a lock and a dict update) once per iteration,
@@ -478,6 +648,11 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                     continue   # by request_reset): keys of a suffix would name another prefix's KV
                 st = self._state(rd.request_id, _cache_salt(rd))
                 if st is None:  # opaque inputs: never saved
+                    continue
+            if first and st.reported:  # reported new again: its allocation was destroyed and replayed
+                self._drop_attempt(st.rid)
+                st = self._state(rd.request_id, _cache_salt(rd))
+                if st is None:
                     continue
             if first and not st.reported:
                 if rd.new_tokens:
@@ -641,6 +816,14 @@ def _request_id(request: Any) -> int:
     raise AttributeError(f"{type(request).__name__} has no request_id")
 
 
+def _rids_named(scheduler_output: Any) -> list[int]:
+    """The requests a scheduler output reports or loads a reservation for."""
+    rids = [rd.request_id for rd in scheduler_output.new_requests]
+    rids += [rd.request_id for rd in scheduler_output.cached_requests]
+    rids += [pl.request_id for pl in getattr(scheduler_output, "prefix_loads", None) or ()]
+    return rids
+
+
 def _num_tokens(request: Any) -> int | None:
     """The request's token count (beam 0) where it has ``get_num_tokens``, as TensorRT-LLM's binding
     does; None where it does not (the contract promises only ``get_tokens``)."""
@@ -678,7 +861,8 @@ def _request_inputs(request: Any) -> tuple[int | None, tuple[int, ...]] | tuple[
     flat: tuple[int, ...] = ()
     if hashes:
         flat = tuple(int(h) for group in hashes for h in (group if isinstance(group, (list, tuple)) else (group,)))
-    elif getattr(request, "py_multimodal_data", None) or getattr(request, "multimodal_embedding", None) is not None:
+    elif (getattr(request, "py_multimodal_data", None) or getattr(request, "multimodal_embedding", None) is not None
+          or getattr(request, "multimodal_positions", None) or getattr(request, "multimodal_lengths", None)):
         return _OPAQUE
     if lora is None and not flat:
         return None

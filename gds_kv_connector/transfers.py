@@ -123,6 +123,11 @@ class TransferManager:
         self._load_failed: dict[int, BaseException] = {}  # a failed async load, until its request is polled
         self._dropped_loads: set[int] = set()  # requests whose whole handed-over offer was cancelled, until reported
         self._sync_loads: list[_Batch] = []
+        # Loads of prefix reservations (``LoadOp.reservation``): batches in flight per reservation,
+        # the first failure of one, and those done and not yet reported (``finished_reservations``)
+        self._res_left: dict[int, int] = {}
+        self._res_failed: dict[int, BaseException] = {}
+        self._res_done: list[int] = []
         self._queues: tuple[collections.deque[_Batch], ...] = (collections.deque(), collections.deque(),
                                                                collections.deque())
         # Held while a transfer thread starts a batch and while a fence filters one, so a batch is
@@ -145,7 +150,10 @@ class TransferManager:
             # all): done at its first poll, not waited for until the deadline fails the process
             for op in ops:
                 if not op.keys:
-                    self._pending_loads.setdefault(op.request_id, 0)
+                    if op.reservation:
+                        self._res_done.append(op.reservation)
+                    else:
+                        self._pending_loads.setdefault(op.request_id, 0)
             ops = [op for op in ops if op.keys]
         sync = [op for op in ops if not op.is_async]
         if sync:  # waited for together before the first layer: batched apart from async loads
@@ -189,14 +197,18 @@ class TransferManager:
                 return []
         pending = self._pending
         loads = self._pending_loads if kind == "load" else None
+        res_left = self._res_left if kind != "save" else None
         batches: list[_Batch] = []
         for group, blocks in groups:
             batches.append(_Batch(kind, Future(), now, group, blocks * payload, group, event, deadline))
             for op in group:
                 rid = op.request_id
                 pending[rid] = pending.get(rid, 0) + 1
-                if loads is not None:
+                if loads is not None and not op.reservation:  # a reservation's load is reported by its id
                     loads[rid] = loads.get(rid, 0) + 1
+            if res_left is not None:
+                for res in _reservations_in(group):
+                    res_left[res] = res_left.get(res, 0) + 1
         self._inflight += batches
         self._queues[_QUEUE_OF[kind]].extend(batches)
         self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
@@ -439,7 +451,10 @@ class TransferManager:
                 self._uncount(batch)
             if kind == "load":
                 for op in batch.ops:
-                    loads[op.request_id] -= 1
+                    if not op.reservation:
+                        loads[op.request_id] -= 1
+            if kind != "save" and self._res_left:
+                self._settle_reservations(batch, exc)
             if kind == "save":
                 self._save_bytes -= batch.nbytes
                 self._account_save(batch, cancelled, exc)
@@ -448,12 +463,44 @@ class TransferManager:
             elif kind == "load":
                 if exc is not None:
                     dropped = self._dropped_loads
-                    for op in batch.run:  # a fenced request's failure concerns pages it no longer holds,
+                    for op in batch.run:
+                        if op.reservation:
+                            continue  # failed through its reservation (_settle_reservations)  # a fenced request's failure concerns pages it no longer holds,
                         if op.request_id not in dropped:  # and a cancelled one's, tokens it will not use
                             failed.setdefault(op.request_id, exc)
                 elif not cancelled:
                     self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch))
         self._inflight = still
+
+    def _settle_reservations(self, batch: _Batch, exc: BaseException | None) -> None:
+        """Take a settled load batch off its reservations' counts; one whose last batch settled is done."""
+        left, failed = self._res_left, self._res_failed
+        for res in _reservations_in(batch.ops):
+            if exc is not None and not batch.stopped and any(op.reservation == res for op in batch.run):
+                failed.setdefault(res, exc)
+            n = left.get(res, 0) - 1
+            if n > 0:
+                left[res] = n
+            else:
+                left.pop(res, None)
+                self._res_done.append(res)
+
+    @property
+    def loading_ids(self) -> Collection[int]:
+        """Requests TensorRT-LLM reported parked for an asynchronous load and not reported loaded yet."""
+        return self._loading.keys()
+
+    def finished_reservations(self) -> list[int]:
+        """Reservations whose every load batch has settled since the last call, each reported once;
+        one that failed raises ConnectorFailure (its pages did not get the KV TensorRT-LLM will use)."""
+        if self._inflight:
+            self._settle_done()
+        done, self._res_done = self._res_done, []
+        for res in done:
+            exc = self._res_failed.pop(res, None)
+            if exc is not None:
+                raise ConnectorFailure(f"gds-kv-connector: load of prefix reservation {res} failed: {exc!r}") from None
+        return done
 
     def _uncount(self, batch: _Batch) -> None:
         """Take the batch off its requests' counts of batches that may still touch their pages."""
@@ -815,6 +862,11 @@ class _Merged:
                 return rid
             at -= n
         return self.request_id
+
+
+def _reservations_in(ops: Iterable[Any]) -> set[int]:
+    """The prefix reservations whose loads are among ``ops``."""
+    return {op.reservation for op in ops if getattr(op, "reservation", 0)}
 
 
 def _batches(ops: list[Any], payload: int, threads: int) -> list[tuple[list[Any], int]]:

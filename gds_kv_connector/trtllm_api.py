@@ -15,6 +15,8 @@ import sys
 _PATHS = ("tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
           "tensorrt_llm._torch.pyexecutor.kv_cache_connector")
 _NAMES = ("KvCacheConnectorScheduler", "KvCacheConnectorWorker", "SchedulerOutput", "RequestData")
+# Names only the newest manager has (the prefix-reservation protocol): None where this version lacks them.
+_OPTIONAL = ("PrefixLoad",)
 
 
 def _trtllm_present() -> bool:
@@ -29,7 +31,7 @@ def _trtllm_present() -> bool:
 def _bind() -> tuple[str, dict]:
     if not _trtllm_present():
         from . import trtllm_mirror
-        return "gds_kv_connector.trtllm_mirror", {n: getattr(trtllm_mirror, n) for n in _NAMES}
+        return "gds_kv_connector.trtllm_mirror", {n: getattr(trtllm_mirror, n) for n in _NAMES + _OPTIONAL}
     errors = []
     for path in _PATHS:
         try:
@@ -41,7 +43,7 @@ def _bind() -> tuple[str, dict]:
         if missing:
             errors.append(f"{path}: lacks {', '.join(missing)}")
             continue
-        return path, {n: getattr(mod, n) for n in _NAMES}
+        return path, {n: getattr(mod, n, None) for n in _NAMES + _OPTIONAL}
     raise ImportError("tensorrt_llm is installed but its KV-cache connector API could not be imported:\n  "
                       + "\n  ".join(errors))
 
@@ -51,7 +53,16 @@ KvCacheConnectorScheduler = _bound["KvCacheConnectorScheduler"]
 KvCacheConnectorWorker = _bound["KvCacheConnectorWorker"]
 SchedulerOutput = _bound["SchedulerOutput"]
 RequestData = _bound["RequestData"]
+PrefixLoad = _bound["PrefixLoad"]
 BAD_PAGE_INDEX = -1
+
+
+def has_prefix_reservations() -> bool:
+    """Whether this TensorRT-LLM's manager can call the prefix-reservation protocol (its
+    ``SchedulerOutput`` carries ``prefix_loads``); the connector implements the protocol either way,
+    and a manager without it never calls it."""
+    fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
+    return "prefix_loads" in fields
 
 
 # TensorRT-LLM's own deadline for a connector transfer: module constants of py_executor (the second
@@ -70,6 +81,13 @@ def transfer_timeout_s(llm_args: object) -> float | None:
         value = next((v for v in (getattr(executor, n, None) for n in _TIMEOUT_CONSTANTS) if _positive_number(v)),
                      None)
     return float(value) if value is not None else None
+
+
+def control_grace_s(llm_args: object) -> float | None:
+    """How long TensorRT-LLM waits for a connector's transfers after a cancel or at shutdown before
+    it fails the process (``kv_connector_config.control_grace_sec``), where this version has it."""
+    value = getattr(getattr(llm_args, "kv_connector_config", None), "control_grace_sec", None)
+    return float(value) if _positive_number(value) else None
 
 
 def _positive_number(value: object) -> bool:

@@ -1,7 +1,9 @@
 """In-repo mirror of TensorRT-LLM's connector API, used when tensorrt_llm is not importable.
 
-Names, fields and signatures follow ``tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector``
-at commit 035ab91c (the contract document, section 3); tests/test_trtllm_api.py pins them.
+Names, fields and signatures follow ``tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector``:
+the release manager's (the contract document, section 3) and what the newest one adds, the optional
+prefix-reservation protocol (``reserve_prefix``, ``release_prefix_reservation``,
+``get_finished_prefix_loads``, ``SchedulerOutput.prefix_loads``); tests/test_trtllm_api.py pins them.
 """
 
 from __future__ import annotations
@@ -26,11 +28,29 @@ class RequestData:
     new_block_ids_by_layer_group: List[List[int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PrefixReservation:
+    reservation_id: int
+    request_id: int
+    start: int  # absolute half-open token interval
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class PrefixLoad(PrefixReservation):
+    block_ids_by_layer_group: List[List[int]]  # complete destination pages, by group and block ordinal
+    tokens: List[int]
+    cache_salt: Optional[str]
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: List[RequestData] = field(default_factory=list)
     cached_requests: List[RequestData] = field(default_factory=list)
     attention_dp_rank: Optional[int] = None
+    # accepted reservation loads not yet dispatched, parked requests' included (newest manager)
+    prefix_loads: List[PrefixLoad] = field(default_factory=list)
 
 
 class KvCacheConnectorWorker(ABC):
@@ -77,6 +97,9 @@ class KvCacheConnectorWorker(ABC):
     def get_finished(self, finished_gen_req_ids: List[int],
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]: ...
 
+    def get_finished_prefix_loads(self) -> List[int]:
+        return []
+
 
 class KvCacheConnectorScheduler(ABC):
     supports_attention_dp: bool = False
@@ -86,6 +109,12 @@ class KvCacheConnectorScheduler(ABC):
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[int, bool]: ...
+
+    def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> Tuple[int, bool]:
+        raise NotImplementedError
+
+    def release_prefix_reservation(self, request: Any, reservation_id: int, start: int, end: int) -> None:
+        raise NotImplementedError
 
     @abstractmethod
     def update_state_after_alloc(self, request: Any, block_ids: List[int]) -> None: ...

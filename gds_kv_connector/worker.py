@@ -13,10 +13,10 @@ from .engines import make_engine
 from .fileops import FileOps
 from .keys import PoolGeometry, shard_fingerprint
 from .kv_layout import KvPool, LayoutError, pool_from_layout, pool_from_tensor
-from .llm_config import read_llm_args
+from .llm_config import check_parallelism, read_llm_args
 from .local_peer import PeerInfo, register, unregister
 from .metrics import Snapshot, StatsPublisher
-from .metadata import GdsKvMetadata
+from .metadata import GdsKvMetadata, LoadOp
 from .arena import slab_kind, start_arena
 from .pool import BlockPool
 from .recency import RecencyLog
@@ -24,7 +24,7 @@ from .settings import Settings, SettingsError
 from .stats import Stats
 from .trace_ranges import check_mode, trace_range, traced
 from .transfers import TransferManager
-from .trtllm_api import KvCacheConnectorWorker, mpi_rank, transfer_timeout_s
+from .trtllm_api import KvCacheConnectorWorker, control_grace_s, mpi_rank, transfer_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any, *, fileops: FileOps | None = None) -> None:
         super().__init__(llm_args)
         self.settings = Settings.load_from()
-        _check_deadline_fits(self.settings, transfer_timeout_s(llm_args))
+        _check_deadline_fits(self.settings, transfer_timeout_s(llm_args), control_grace_s(llm_args))
         check_mode(self.settings.trace)
         self.config = read_llm_args(llm_args, self.settings.model_id)
+        check_parallelism(self.config)
         self.stats = Stats()
         self._fileops = fileops
         self.kv: KvPool | None = None
@@ -48,6 +49,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.recency: RecencyLog | None = None
         self.capacity: CapacityGuard | None = None
         self._board: CancelReader | None = None  # plain TP: the scheduler's cancels between metadata
+        # The binding taken last (``_take_binding``), and the saves of the bindings taken since the
+        # last forward's wait_for_save: each binding's work is taken once.
+        self._bound: GdsKvMetadata | None = None
+        self._unsaved: list = []
+        # Asynchronous loads handed over but not yet confirmed by TensorRT-LLM (``_hold_async``).
+        self._unconfirmed: dict[int, list[tuple[LoadOp, Any]]] = {}
         self.stats_publisher: StatsPublisher | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -68,10 +75,6 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.kv is not None:
             raise RuntimeError("gds-kv-connector: the KV cache was registered twice")
         cfg = self.config
-        if cfg.cp_size > 1:
-            raise LayoutError(f"gds-kv-connector: context parallelism (cp_size={cfg.cp_size}) splits each sequence's KV "
-                              "across ranks, so a rank's block is a fragment of the prefix's KV and its TP shard is "
-                              "not its MPI rank modulo tp_size: not supported; run with cp_size 1")
         if cfg.kv_fp4:
             raise LayoutError(f"gds-kv-connector: an NVFP4 KV cache ({cfg.precision}) keeps its block scales in a "
                               "pool of their own, which the connector does not save or load: a loaded block would "
@@ -119,24 +122,85 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         """Also fences the transfers of requests reset under plain TP (``GdsKvMetadata.resets``), and
         stops the loads of offers cancelled after they were handed over (``cancels``): the executor
         runs this before every forward, the one that may give their pages to another request
-        included (an override of bind_connector_meta cost every iteration a call)."""
-        meta = self._metadata
-        if not isinstance(meta, GdsKvMetadata):
+        included (an override of bind_connector_meta cost every iteration a call).
+
+        TensorRT-LLM may call it more than once in an iteration, each time for newly bound work: a
+        binding's loads start once, and a binding built again in place of one already started
+        starts only the loads that one did not."""
+        taken = self._take_binding()
+        if taken is None:
             return
+        meta, loads = taken
         if meta.cancel_board and (self._board is None or self._board.path != meta.cancel_board):
             if self._board is not None:
                 self._board.close()
             self._board = CancelReader(meta.cancel_board)
-        if meta.loads:
+        if loads:
             # ids posted while nothing was in flight here are read before these loads are submitted:
             # one must never stop a replay's load (a request reset and replayed keeps its id)
             self._cancels_from_board()
         if meta.cancels:
+            self._drop_unconfirmed(meta.cancels, "cancel")
             self.transfers.cancel_loads(meta.cancels)
         if meta.resets:
+            self._drop_unconfirmed(meta.resets, "reset")
             self.transfers.fence(meta.resets)
-        if meta.loads:
-            self.transfers.submit_loads(meta.loads, self._record_event(stream))
+        if loads:
+            event = self._record_event(stream)
+            self.transfers.submit_loads(self._hold_async(loads, event), event)
+
+    def _take_binding(self) -> tuple[GdsKvMetadata, list[LoadOp]] | None:
+        """The bound metadata and its loads to start, once per binding (None: nothing new bound).
+
+        Its saves join those of the bindings taken since the last forward: TensorRT-LLM may bind
+        several plans in one iteration, each for newly bound work, and the forward's
+        ``wait_for_save`` submits them all.  A plan built again in place of the one taken last
+        (``GdsKvMetadata.replaces``) replaces that one's saves and starts only the loads it lacked."""
+        meta = self._metadata
+        if not isinstance(meta, GdsKvMetadata) or meta is self._bound:
+            return None
+        prev, self._bound = self._bound, meta
+        if prev is not None and meta.replaces and meta.replaces == prev.serial:
+            started = set(_op_ids(prev.loads))
+            self._unsaved = list(meta.saves)
+            return meta, [op for op, oid in zip(meta.loads, _op_ids(meta.loads)) if oid not in started]
+        self._unsaved += meta.saves
+        return meta, meta.loads
+
+    def _hold_async(self, loads: list[LoadOp], event: Any) -> list[LoadOp]:
+        """The loads to submit now; the asynchronous ones TensorRT-LLM has not confirmed yet are held.
+
+        An asynchronous answer parks the request only once the runtime commits it; an admission
+        dropped after ``update_state_after_alloc`` (its allocation destroyed, its pages free at
+        once) is never committed, and its id never reaches ``get_finished`` as started.  Such a load
+        is submitted when its id arrives there (the same iteration's poll, after the forward), and
+        dropped if it does not: it must never write pages the runtime has freed.  A load of a
+        prefix reservation was dispatched by the runtime itself and goes at once."""
+        now: list[LoadOp] = []
+        loading = self.transfers.loading_ids
+        for op in loads:
+            if op.is_async and not op.reservation and op.request_id not in loading:
+                self._unconfirmed.setdefault(op.request_id, []).append((op, event))
+            else:
+                now.append(op)
+        return now
+
+    def _confirm_async(self, started_loading_req_ids: List[int]) -> None:
+        """Submit the held loads of requests the runtime parked; drop the others (never admitted)."""
+        held, self._unconfirmed = self._unconfirmed, {}
+        started = set(started_loading_req_ids)
+        for rid, entries in held.items():
+            if rid in started:
+                for op, event in entries:
+                    self.transfers.submit_loads([op], event)
+            else:
+                self.stats.add("load_blocks_not_admitted", sum(len(op.keys) for op, _ in entries))
+
+    def _drop_unconfirmed(self, request_ids: List[int], cause: str) -> None:
+        for rid in request_ids:
+            entries = self._unconfirmed.pop(rid, None)
+            if entries:
+                self.stats.add(f"load_blocks_{cause}_held", sum(len(op.keys) for op, _ in entries))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         if self.transfers is not None and self.transfers.has_sync_loads:
@@ -150,11 +214,12 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         if self.transfers is None:
             return
-        meta = self._metadata
-        if isinstance(meta, GdsKvMetadata) and meta.saves:
+        self._take_binding()  # one bound without a start_load_kv still has its saves taken
+        saves, self._unsaved = self._unsaved, []
+        if saves:
             event = self._record_event(stream)
             self.transfers.note_forward(stream, event)
-            self.transfers.submit_saves(meta.saves, event)
+            self.transfers.submit_saves(saves, event)
         else:  # no event unless saves of finished requests arrive (transfers.poll records one then)
             self.transfers.note_forward(stream)
 
@@ -163,9 +228,18 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
         if self.transfers is None:
             return [], []
+        if self._unconfirmed:
+            self._confirm_async(started_loading_req_ids)
         if self._board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
             self._cancels_from_board()
         return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+
+    def get_finished_prefix_loads(self) -> List[int]:
+        """Reservation ids whose accepted loads (``SchedulerOutput.prefix_loads``) have finished here,
+        each once; a failed one raises ConnectorFailure, as a failed asynchronous load does."""
+        if self.transfers is None:
+            return []
+        return self.transfers.finished_reservations()
 
     def _cancels_from_board(self) -> None:
         """Stop the loads of requests the scheduler posted to its cancel board since the last read."""
@@ -213,10 +287,22 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         return event
 
 
-def _check_deadline_fits(settings: Settings, trtllm_timeout_s: float | None) -> None:
+def _op_ids(ops: list) -> list[tuple]:
+    """What names a transfer across a rebuild: its request, first key and first page."""
+    return [(op.request_id, op.keys[:1], op.block_ids[:1]) for op in ops]
+
+
+def _check_deadline_fits(settings: Settings, trtllm_timeout_s: float | None,
+                         trtllm_grace_s: float | None = None) -> None:
     """A save may end up to twice the connector's deadline plus the control grace after it was
     accepted (queued, then writing); past TensorRT-LLM's own transfer timeout the process fails
-    before the connector can drop the save, so slow storage would cost the process, not saves."""
+    before the connector can drop the save, so slow storage would cost the process, not saves.
+    And after a cancel or at shutdown TensorRT-LLM waits its control grace for transfers to drain:
+    the connector's own grace must end first."""
+    if trtllm_grace_s is not None and settings.control_grace_s >= trtllm_grace_s:
+        raise SettingsError(
+            f"TLLM_GDS_KV_CONTROL_GRACE_S={settings.control_grace_s:g} is not below TensorRT-LLM's "
+            f"kv_connector_config.control_grace_sec={trtllm_grace_s:g}: set it below {trtllm_grace_s:g}")
     if trtllm_timeout_s is None:
         return
     worst = 2 * settings.deadline_s + settings.control_grace_s

@@ -237,7 +237,9 @@ def test_bad_page_entries_are_skipped(pool_env):
     blocks = list(range(n // SHAPE.tokens_per_block + 1))
     blocks[1] = -1
     s.update_state_after_alloc(req, blocks)
-    meta = s.build_connector_meta(SimpleNamespace(new_requests=[], cached_requests=[]))
+    first = SimpleNamespace(request_id=3, new_tokens=list(PROMPTS[0]), new_block_ids=blocks, computed_position=0,
+                            num_scheduled_tokens=1)
+    meta = s.build_connector_meta(SimpleNamespace(new_requests=[first], cached_requests=[]))
     (op,) = meta.loads
     assert -1 not in op.block_ids and len(op.block_ids) == len(blocks) - 2
 
@@ -369,18 +371,21 @@ def test_an_nvfp4_kv_cache_is_refused(pool_env, where):
 
 
 @pytest.mark.parametrize("where", ["llm_args", "parallel_config"])
-def test_context_parallelism_is_refused(pool_env, where):
-    """Under CP each rank holds part of a sequence's KV: a block saved under its prefix's key would
-    be a fragment, and loaded by another layout, the wrong one."""
+@pytest.mark.parametrize("kind", ["cp", "pp"])
+def test_context_and_pipeline_parallelism_are_refused(pool_env, where, kind):
+    """Under CP each rank holds part of a sequence's KV, under PP some layers' KV: a block saved
+    under its prefix's key would be a fragment.  Both halves refuse them in one line at start-up."""
     llm_args = fake_llm_args(SHAPE.tokens_per_block)
     if where == "llm_args":
-        llm_args.context_parallel_size = 2
+        setattr(llm_args, "context_parallel_size" if kind == "cp" else "pipeline_parallel_size", 2)
     else:
-        llm_args.parallel_config = SimpleNamespace(tp_size=1, cp_size=2)
-    with pytest.raises(LayoutError, match=r"context parallelism \(cp_size=2\)"):
-        GdsKvConnectorWorker(llm_args).register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
-    llm_args.context_parallel_size = 1
-    llm_args.parallel_config = SimpleNamespace(tp_size=1, cp_size=1)
+        llm_args.parallel_config = SimpleNamespace(tp_size=1, **{f"{kind}_size": 2})
+    for cls in (GdsKvConnectorWorker, GdsKvConnectorScheduler):
+        with pytest.raises(ValueError, match=rf"{kind}_size=2\b") as err:
+            cls(llm_args)
+        assert "\n" not in str(err.value)
+    llm_args.context_parallel_size = llm_args.pipeline_parallel_size = 1
+    llm_args.parallel_config = SimpleNamespace(tp_size=1, cp_size=1, pp_size=1)
     w = GdsKvConnectorWorker(llm_args)
     w.register_kv_caches(torch.zeros((8, 2, 2, 512), dtype=torch.int8))
     w.shutdown()

@@ -181,6 +181,12 @@ def test_request_finished_reads_the_tokens_only_when_a_block_may_complete(pool_e
         worker.shutdown()
 
 
+def _first_report(rid: int, prompt: list[int], pages: list[int]) -> SchedulerOutput:
+    """The scheduler output of a synchronous load's admission iteration: the request reported new
+    (a synchronous load is handed over with its request's first report)."""
+    return SchedulerOutput(new_requests=[RequestData(rid, list(prompt), list(pages), 0, 1)])
+
+
 def test_a_load_skips_blocks_without_a_page(pool_env):
     sched, worker = _pair()
     try:
@@ -193,7 +199,7 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
         matched, _ = sched.get_num_new_matched_tokens(req, 0)
         assert matched == 3 * TPB
         sched.update_state_after_alloc(req, [5, -1, 6, 7])
-        meta = plan(sched, SchedulerOutput())
+        meta = plan(sched, _first_report(3, prompt, [5, -1, 6, 7]))
         assert [(op.keys, op.block_ids) for op in meta.loads] == [((keys[0], keys[2]), (5, 6))]
         # no page for any block: a synchronous offer loads nothing; a parked (async) request gets an
         # empty load, which tells the workers it is done instead of leaving it to the deadline
@@ -202,7 +208,7 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
             sched.get_num_new_matched_tokens(other, 0)
             sched._reqs[rid].pending_load = (0, keys, is_async)
             sched.update_state_after_alloc(other, [-1, -1, -1, 7])
-            meta = plan(sched, SchedulerOutput())
+            meta = plan(sched, _first_report(rid, prompt, [-1, -1, -1, 7]))
             assert (meta.loads if meta else []) == ([LoadOp(rid, (), (), True)] if is_async else []), rid
     finally:
         worker.shutdown()

@@ -96,7 +96,8 @@ def test_mirror_matches_contract():
         "register_kv_cache_layout": ["self", "layout"], "start_load_kv": ["self", "stream"],
         "wait_for_layer_load": ["self", "layer_idx", "stream"], "save_kv_layer": ["self", "layer_idx", "stream"],
         "wait_for_save": ["self", "stream"],
-        "get_finished": ["self", "finished_gen_req_ids", "started_loading_req_ids"]}
+        "get_finished": ["self", "finished_gen_req_ids", "started_loading_req_ids"],
+        "get_finished_prefix_loads": ["self"]}
     expected_sched = {
         "__init__": ["self", "llm_args"], "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
         "update_state_after_alloc": ["self", "request", "block_ids"],
@@ -104,7 +105,9 @@ def test_mirror_matches_contract():
         "build_connector_meta": ["self", "scheduler_output"],
         "request_finished": ["self", "request", "cache_block_ids"],
         "request_finished_by_layer_group": ["self", "request", "cache_block_ids_by_layer_group"],
-        "wait_for_initialization": ["self"]}
+        "wait_for_initialization": ["self"],
+        "reserve_prefix": ["self", "request", "num_computed_tokens", "reservation_id"],
+        "release_prefix_reservation": ["self", "request", "reservation_id", "start", "end"]}
     for cls, table in ((W, expected_worker), (S, expected_sched)):
         for name, params in table.items():
             assert _params(getattr(cls, name)) == params, (cls.__name__, name)
@@ -116,7 +119,10 @@ def test_mirror_matches_contract():
     assert rd == ["request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens",
                   "block_hashes", "priorities", "cache_salt", "new_block_ids_by_layer_group"]
     assert list(mirror.SchedulerOutput.__dataclass_fields__) == ["new_requests", "cached_requests",
-                                                                  "attention_dp_rank"]
+                                                                  "attention_dp_rank", "prefix_loads"]
+    assert list(mirror.PrefixLoad.__dataclass_fields__) == ["reservation_id", "request_id", "start", "end",
+                                                             "is_async", "block_ids_by_layer_group", "tokens",
+                                                             "cache_salt"]
 
 
 def test_connector_signatures_match_the_bases():
