@@ -3,13 +3,10 @@
 Every fault test module says ``pytest_plugins = ["fault_helpers"]``, which registers this module
 as a plugin.  That gives three things without touching tests/conftest.py:
 
-* ``fault_timeout`` (autouse): a hard per-test timeout.  pytest-timeout may not be installed, and a
-  fault test that hangs (a stalled read nobody releases, a child that never exits) must fail the
-  run, not wedge CI; ``faulthandler.dump_traceback_later(exit=True)`` prints every thread's stack
-  and exits the process.  Tests additionally bound each of their own waits so that an ordinary
-  failure is an assertion, not this last resort.  Override per test with ``@fault_helpers.timeout(s)``
-  (a function attribute rather than a marker: a plugin registered from a test module comes too late
-  to declare markers).
+* :func:`timeout`: this test's time limit, pytest-timeout's marker (the suite's default is in
+  pyproject.toml).  A fault test that hangs (a stalled read nobody releases, a child that never
+  exits) then fails by name with its stack, and the run goes on to its summary.  Tests also bound
+  each of their own waits, so that an ordinary failure is an assertion, not this last resort.
 * :func:`record`: tests register what they did (trials, injected faults, detected, lost).
 * :func:`print_fault_summary`: prints the totals at the end of the run (``pytest_terminal_summary``
   below; printed once even if tests/conftest.py calls it too).
@@ -21,11 +18,9 @@ in the test modules) so ``spawn`` children import only this module and the packa
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import os
 import random
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -41,7 +36,6 @@ from gds_kv_connector.kv_layout import pool_from_tensor
 from gds_kv_connector.pool import BLOCK_SUFFIX, TMP_PREFIX, BlockPool
 from gds_kv_connector.pool_format import HEADER_SIZE, parse_header
 
-DEFAULT_TIMEOUT_S = 60.0
 FINGERPRINT = hashlib.sha256(b"gds-kv fault suite fingerprint").digest()
 TOKENS_PER_BLOCK = 16
 # [num_blocks, layers, kv, elems] uint8: 12000-byte blocks, deliberately not a multiple of 4096 so
@@ -89,23 +83,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
     print_fault_summary(terminalreporter)
 
 
-def timeout(seconds: float):
-    """Decorator: this test's hard timeout (default DEFAULT_TIMEOUT_S)."""
-    def mark(fn):
-        fn.fault_timeout_s = float(seconds)
-        return fn
-    return mark
-
-
-@pytest.fixture(autouse=True)
-def fault_timeout(request):
-    """Hard timeout: dump all stacks and exit the run if the test has not finished in time."""
-    limit = getattr(request.function, "fault_timeout_s", DEFAULT_TIMEOUT_S)
-    faulthandler.dump_traceback_later(limit, exit=True, file=sys.__stderr__)
-    try:
-        yield limit
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+def timeout(seconds: float) -> pytest.MarkDecorator:
+    """This test's time limit in seconds, in place of the suite's default (pytest-timeout)."""
+    return pytest.mark.timeout(seconds)
 
 
 # -- content and pools --------------------------------------------------------------------------
