@@ -5,6 +5,9 @@ import pytest
 from gds_kv_connector.demo import run_phase, summarize
 from gds_kv_connector.reference import ExecutorConfig, ModelShape
 from gds_kv_connector.reference.workload import Workload
+from api_shapes import both_apis  # noqa: E402,F401 (the fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("both_apis")
 
 SHAPE = ModelShape(num_layers=2, kv_factor=2, block_elems=1024, tokens_per_block=16)
 CFG = ExecutorConfig(shape=SHAPE, num_blocks=512, chunk_size=64)

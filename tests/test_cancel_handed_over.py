@@ -24,6 +24,9 @@ from gds_kv_connector import GdsKvConnectorScheduler  # noqa: E402
 from gds_kv_connector.cancel_board import CancelBoard, CancelReader  # noqa: E402
 from gds_kv_connector.metadata import LoadOp  # noqa: E402
 from gds_kv_connector.reference import SimRequest  # noqa: E402
+from api_shapes import both_apis  # noqa: E402,F401 (the fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("both_apis")
 
 pytest_plugins = ["fault_helpers"]
 TPB = SHAPE.tokens_per_block

@@ -14,6 +14,9 @@ from gds_kv_connector.fileops import FileOps
 from gds_kv_connector.kv_layout import LayoutError, pool_from_tensor
 from gds_kv_connector.metadata import GdsKvMetadata
 from gds_kv_connector.reference import ExecutorConfig, InvariantViolation, ReferenceExecutor, SimRequest, fake_llm_args
+from api_shapes import both_apis  # noqa: E402,F401 (the fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("both_apis")
 
 SYSTEM = rand_tokens(200, 1)
 PROMPTS = [SYSTEM + rand_tokens(30 + i, 100 + i) for i in range(4)]
@@ -167,14 +170,15 @@ class _GreedyScheduler(GdsKvConnectorScheduler):
         return len(request.get_tokens(0)), False
 
 
-@pytest.mark.parametrize("sched_cls,worker_cls,match", [
-    (_BrokenScheduler, GdsKvConnectorWorker, "load_kv_async must be False"),
-    (GdsKvConnectorScheduler, _DoubleReportWorker, "not pending"),
-    (_GreedyScheduler, GdsKvConnectorWorker, "leaves no prompt token"),
+@pytest.mark.parametrize("sched_cls,worker_cls,match,api", [
+    (_BrokenScheduler, GdsKvConnectorWorker, "load_kv_async must be False", "release"),  # the legacy query's
+    (GdsKvConnectorScheduler, _DoubleReportWorker, "not pending", ""),
+    (_GreedyScheduler, GdsKvConnectorWorker, "leaves no prompt token", "release"),
 ])
-def test_executor_invariants_catch_broken_connectors(pool_env, sched_cls, worker_cls, match):
+def test_executor_invariants_catch_broken_connectors(pool_env, sched_cls, worker_cls, match, api):
     llm_args = fake_llm_args(SHAPE.tokens_per_block)
-    ex = ReferenceExecutor(sched_cls(llm_args), worker_cls(llm_args), ExecutorConfig(shape=SHAPE, num_blocks=128))
+    ex = ReferenceExecutor(sched_cls(llm_args), worker_cls(llm_args),
+                           ExecutorConfig(shape=SHAPE, num_blocks=128, api=api))
     with pytest.raises(InvariantViolation, match=match):
         serve(ex, PROMPTS[:2])
 
@@ -323,7 +327,7 @@ def test_block_views_are_each_blocks_bytes_made_once():
 def test_executor_splits_its_callback_time_by_callback(pool_env):
     """The reference executor's per-callback account covers the same spans as its totals (the bench's
     breakdown reads it instead of wrapping the callbacks, whose wrapper time would land in the totals)."""
-    ex = make_executor()
+    ex = make_executor(api="release")  # counts the legacy query's callbacks
     ex.stats = type(ex.stats)()
     ex.callback_times.clear()  # start-up callbacks are not per-iteration cost
     st = serve(ex, PROMPTS[:2], max_new_tokens=4)

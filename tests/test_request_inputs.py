@@ -11,6 +11,9 @@ import pytest
 from connector_helpers import make_executor, rand_tokens
 from gds_kv_connector.keys import chain_seed, inputs_seed
 from gds_kv_connector.reference import SimRequest
+from api_shapes import both_apis  # noqa: E402,F401 (the fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("both_apis")
 
 PROMPT = rand_tokens(200, 1)  # 12 full blocks of 16 and 8 tokens
 
@@ -51,10 +54,13 @@ def test_another_adapter_or_input_never_loads_the_first_one_s_kv(ex, first, othe
     assert ex.stats.loaded_tokens - before == 12 * 16  # the same adapter and inputs still share
 
 
-def test_multimodal_data_without_hashes_is_neither_matched_nor_saved(ex):
+@pytest.mark.parametrize("media", [{"py_multimodal_data": {"image": object()}},
+                                   # how the newest TensorRT-LLM marks media whose content it did not hash
+                                   {"multimodal_positions": [3], "multimodal_lengths": [16]}])
+def test_multimodal_data_without_hashes_is_neither_matched_nor_saved(ex, media):
     _serve(ex, 0)  # the plain prompt's blocks are in the pool
     before = ex.stats.loaded_tokens
-    saved = _serve(ex, 1, py_multimodal_data={"image": object()})
+    saved = _serve(ex, 1, **media)
     assert ex.stats.loaded_tokens == before and saved == 0
     assert ex.sched._opaque == set()  # forgotten when it finished
 

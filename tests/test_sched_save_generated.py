@@ -15,6 +15,9 @@ from gds_kv_connector.keys import base_fingerprint, block_keys
 from gds_kv_connector.pool_format import ZERO_KEY
 from gds_kv_connector.settings import Settings
 from gds_kv_connector.trtllm_api import RequestData, SchedulerOutput
+from api_shapes import both_apis  # noqa: E402,F401 (the fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("both_apis")
 
 TPB = 4
 

@@ -9,6 +9,18 @@ runs the forward with per-layer hooks and ``wait_for_save``; finished requests g
 which nothing else runs.  It checks the executor's invariants and raises
 :class:`InvariantViolation` when a connector breaks one, and it verifies every block that it
 did not compute itself (loaded, or a simulated device-cache hit) byte for byte before use.
+
+Two manager versions are modelled (``ExecutorConfig.api``).  ``"release"`` is the release
+manager.  ``"newest"`` is the newest one: where the connector implements the prefix-reservation
+protocol (all of it, or start-up fails) admission reserves with ``reserve_prefix``, the accepted
+load reaches the connector in ``SchedulerOutput.prefix_loads``, is retired by
+``get_finished_prefix_loads`` and its reservation released then; each iteration binds a plan and
+calls ``start_load_kv`` twice, for two rounds of admissions (newly bound work each time), and
+once more with nothing new bound.  In both, allocations can be destroyed and replayed as
+TensorRT-LLM does, with no connector hook (:meth:`ReferenceExecutor.drop_after_alloc`,
+:meth:`ReferenceExecutor.roll_back`), and with ``scribble_freed`` a page is overwritten the
+moment it is freed and checked untouched when it is allocated again, so a connector that writes
+a free page, or saves from one, is caught.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from typing import Any
 import torch
 
 from ..trace_ranges import trace_range
-from ..trtllm_api import RequestData, SchedulerOutput
+from ..trtllm_api import KvCacheConnectorScheduler, KvCacheConnectorWorker, PrefixLoad, RequestData, SchedulerOutput
 from .model import ModelShape, PrefixHashes, ReferenceModel
 
 
@@ -110,6 +122,11 @@ class ExecutorConfig:
     device: str = "cpu"
     transfer_timeout_s: float = 120.0
     idle_sleep_s: float = 0.001
+    api: str = ""  # the manager modelled: "release" (also "") or "newest" (the module docstring)
+    scribble_freed: bool = False  # overwrite a page when it is freed; check it untouched when allocated
+
+
+SCRIBBLE = 0xA5  # the byte a freed page is filled with under ``scribble_freed``
 
 
 @dataclass
@@ -150,6 +167,17 @@ class ReferenceExecutor:
         self._new_saving: list[int] = []
         self._new_loading: list[int] = []
         self._pending: dict[int, tuple[str, float]] = {}  # id -> (kind, deadline)
+        if config.api not in ("", "release", "newest"):
+            raise ValueError(f"ExecutorConfig.api must be 'release' or 'newest', not {config.api!r}")
+        self._newest = config.api == "newest"
+        self._reserving = self._newest and _implements_reservations(scheduler, worker)
+        self._next_reservation = 1
+        self._accepted: dict[int, Any] = {}  # reservation id -> accepted PrefixLoad not dispatched yet
+        self._dispatched: dict[int, tuple[Any, float]] = {}  # reservation id -> (PrefixLoad, deadline)
+        self._held_for_load: set[int] = set()  # finished requests whose pages wait for a prefix load
+        self.pages_written_free = 0  # pages found written while free (scribble_freed)
+        if config.scribble_freed:
+            self.pool_bytes.fill_(SCRIBBLE)
         self._stream = torch.cuda.current_stream() if config.device.startswith("cuda") else None
         self._timed(self.worker.register_kv_caches, self.pool)
         self._timed(self.sched.wait_for_initialization)
@@ -181,30 +209,77 @@ class ReferenceExecutor:
     # -- one iteration ----------------------------------------------------------------------------
     def step(self) -> None:
         self.stats.iterations += 1
-        admitted_parked = self._admit()
-        batch = [r for r in self.reqs.values() if r.state in (State.CONTEXT, State.GENERATION)][:self.cfg.max_batch]
-        if batch or admitted_parked:
-            with trace_range("executor/iteration"):
-                self._ensure_generation_blocks(batch)
-                output = self._scheduler_output(batch)
-                meta = self._timed(self.sched.build_connector_meta, output)
-                blob = pickle.dumps(meta)  # the TP broadcast pickles it
-                self.stats.max_meta_bytes = max(self.stats.max_meta_bytes, len(blob))
-                self._timed(self.worker.bind_connector_meta, pickle.loads(blob))
-                self._timed(self.worker.start_load_kv, self._stream)
-                if batch:
-                    self._forward(batch)
-                    self._timed(self.worker.wait_for_save, self._stream)
-                    self._sample_and_finish(batch)
+        for r in [r for r in self.reqs.values() if r.state is State.CONTEXT and r.pos]:
+            if self.roll_back(r):  # scheduling destroys a running allocation (V2 MAX_UTILIZATION)
+                self._destroy(r)
+        if self._newest:
+            self._step_newest()
         else:
-            self.stats.idle_iterations += 1
-            time.sleep(self.cfg.idle_sleep_s)
+            admitted_parked = self._admit()
+            batch = self._batch()
+            if batch or admitted_parked:
+                with trace_range("executor/iteration"):
+                    self._ensure_generation_blocks(batch)
+                    self._bind_and_start(self._scheduler_output(batch))
+                    self._run_forward(batch)
+            else:
+                self._idle()
         self._poll_finished()
 
-    def _admit(self) -> bool:
+    def _step_newest(self) -> None:
+        """Two admission rounds, each bound and started on its own (``start_load_kv`` covers newly
+        bound work only), a third ``start_load_kv`` with nothing new bound, then the forward."""
+        first = self._admit(limit=1)
+        batch = self._batch()
+        reported = set()
+        if batch or first or self._accepted:
+            self._ensure_generation_blocks(batch)
+            self._bind_and_start(self._scheduler_output(batch))
+            reported = {r.request_id for r in batch}
+        second = self._admit()
+        more = [r for r in self._batch() if r.request_id not in reported]
+        if more or second or self._accepted:
+            self._bind_and_start(self._scheduler_output(more))
+        batch = self._batch()
+        if not (batch or first or second or reported):
+            self._idle()
+            return
+        self._timed(self.worker.start_load_kv, self._stream)  # nothing newly bound: must start nothing
+        self._run_forward(batch)
+
+    def _batch(self) -> list[SimRequest]:
+        return [r for r in self.reqs.values() if r.state in (State.CONTEXT, State.GENERATION)][:self.cfg.max_batch]
+
+    def _idle(self) -> None:
+        self.stats.idle_iterations += 1
+        time.sleep(self.cfg.idle_sleep_s)
+
+    def _bind_and_start(self, output: Any) -> None:
+        """Build the plan (pickled, as the TP broadcast would), bind it, mark the accepted prefix
+        loads dispatched (the newest manager does so before the worker can write), start loads."""
+        if self._reserving:
+            output.prefix_loads = list(self._accepted.values())
+        with trace_range("executor/iteration"):
+            meta = self._timed(self.sched.build_connector_meta, output)
+            blob = pickle.dumps(meta)  # the TP broadcast pickles it
+            self.stats.max_meta_bytes = max(self.stats.max_meta_bytes, len(blob))
+            self._timed(self.worker.bind_connector_meta, pickle.loads(blob))
+            deadline = time.monotonic() + self.cfg.transfer_timeout_s
+            for load in output.prefix_loads if self._reserving else ():
+                self._dispatched[load.reservation_id] = (self._accepted.pop(load.reservation_id), deadline)
+            self._timed(self.worker.start_load_kv, self._stream)
+
+    def _run_forward(self, batch: list[SimRequest]) -> None:
+        if batch:
+            self._forward(batch)
+            self._timed(self.worker.wait_for_save, self._stream)
+            self._sample_and_finish(batch)
+
+    def _admit(self, limit: int | None = None) -> bool:
         admitted_parked = False
         tpb = self.cfg.shape.tokens_per_block
-        while self.waiting:
+        admitted = 0
+        while self.waiting and (limit is None or admitted < limit):
             req = self.waiting[0]
             need = -(-len(req.prompt) // tpb)
             if len(self.free) < need + 1:
@@ -212,12 +287,17 @@ class ReferenceExecutor:
                     raise InvariantViolation(f"request {req.request_id} needs {need} blocks; pool too small")
                 break
             self.waiting.popleft()
-            req.block_ids = [self.free.popleft() for _ in range(need)]
+            admitted += 1
+            req.block_ids = self._allocate(need)
             device = min(req.device_hit_blocks, (len(req.prompt) - 1) // tpb) * tpb
             req.hashes.extend_to(req.tokens, len(req.prompt))
             if device:  # a device prefix-cache hit: those pages already hold the right KV
                 self.model.write_tokens(self.pool_bytes, req.block_ids, req.hashes.hashes, 0, device)
-            matched, is_async = self._timed(self.sched.get_num_new_matched_tokens, req, device)
+            if self._reserving:
+                matched, is_async, load = self._reserve(req, device)
+            else:
+                matched, is_async = self._timed(self.sched.get_num_new_matched_tokens, req, device)
+                load = None
             if not isinstance(matched, int) or matched < 0:
                 raise InvariantViolation(f"get_num_new_matched_tokens returned {matched!r}")
             if matched == 0 and is_async:
@@ -226,19 +306,108 @@ class ReferenceExecutor:
                 raise InvariantViolation(f"request {req.request_id}: matched {matched} + device {device} leaves no "
                                          f"prompt token of {len(req.prompt)} to compute")
             self._timed(self.sched.update_state_after_alloc, req, list(req.block_ids))
+            if self.drop_after_alloc(req):  # a failed admission: destroyed before it was committed
+                if load is not None:  # the runtime releases an accepted load that never started
+                    self._timed(self.sched.release_prefix_reservation, req, load.reservation_id, load.start,
+                                load.end)
+                self._destroy(req)
+                continue
+            if load is not None:
+                self._accepted[load.reservation_id] = load
             req.pos, req.external, req.load_async = device + matched, matched, bool(is_async)
             req.verified_blocks = 0
             self.stats.device_hit_tokens += device
             self.stats.loaded_tokens += matched
             if is_async:
                 req.state = State.PARKED
-                self._new_loading.append(req.request_id)
+                if load is None:  # a reservation's load is reported by its id
+                    self._new_loading.append(req.request_id)
                 self.stats.async_loads += 1
                 admitted_parked = True
             else:
                 req.state = State.CONTEXT
                 self.stats.sync_loads += bool(matched)
         return admitted_parked
+
+    def _reserve(self, req: SimRequest, device: int) -> tuple[int, bool, Any]:
+        """The newest manager's admission: reserve, accept (the whole offer, or what ``accept``
+        keeps), release the rest; the accepted load waits for the next plan's ``prefix_loads``."""
+        rid = self._next_reservation
+        self._next_reservation += 1
+        count, is_async = self._timed(self.sched.reserve_prefix, req, device, rid)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0 or not isinstance(is_async, bool):
+            raise InvariantViolation(f"reserve_prefix returned {(count, is_async)!r}")
+        if count == 0:
+            if is_async:
+                raise InvariantViolation("An empty prefix reservation cannot load asynchronously")
+            return 0, False, None
+        start, end = self.accept(req, device, device + count)
+        if not device <= start <= end <= device + count:
+            raise InvariantViolation("the accepted prefix must be inside its reservation")
+        for lo, hi in ((device, start), (end, device + count)):
+            if lo < hi:
+                self._timed(self.sched.release_prefix_reservation, req, rid, lo, hi)
+        if start == end:
+            return 0, False, None
+        load = PrefixLoad(rid, req.request_id, start, end, is_async, [list(req.block_ids)], list(req.tokens),
+                          req.cache_salt)
+        return end - start, is_async, load
+
+    # -- what a test decides ------------------------------------------------------------------------
+    def accept(self, req: SimRequest, start: int, end: int) -> tuple[int, int]:
+        """The part of a reservation ``[start, end)`` the runtime accepts: all of it by default."""
+        return start, end
+
+    def drop_after_alloc(self, req: SimRequest) -> bool:
+        """Whether this admission fails right after ``update_state_after_alloc`` (no by default)."""
+        return False
+
+    def roll_back(self, req: SimRequest) -> bool:
+        """Whether scheduling destroys this request's allocation now, part of its prompt computed (no
+        by default)."""
+        return False
+
+    # -- pages ------------------------------------------------------------------------------------
+    def _allocate(self, n: int) -> list[int]:
+        """``n`` free pages; with ``scribble_freed`` each must hold what it was filled with when freed."""
+        pages = [self.free.popleft() for _ in range(n)]
+        if self.cfg.scribble_freed:
+            for p in pages:
+                if not bool((self.pool_bytes[p] == SCRIBBLE).all()):
+                    self.pages_written_free += 1
+                    raise InvariantViolation(f"page {p} was written while it was free")
+        return pages
+
+    def _free_pages(self, pages: list[int]) -> None:
+        if self.cfg.scribble_freed and pages:
+            self.pool_bytes[pages] = SCRIBBLE  # another request's KV, at once
+        self.free.extend(pages)
+
+    def check_free_pages(self) -> int:
+        """Raise if a free page was written since it was freed (``scribble_freed``); the pages checked."""
+        if not self.cfg.scribble_freed:
+            return 0
+        for p in self.free:
+            if not bool((self.pool_bytes[p] == SCRIBBLE).all()):
+                self.pages_written_free += 1
+                raise InvariantViolation(f"page {p} was written while it was free")
+        return len(self.free)
+
+    def _destroy(self, req: SimRequest) -> None:
+        """Destroy the request's allocation and queue it to replay from scratch, with no connector
+        hook, as TensorRT-LLM does after a rollback or a failed admission; like its manager, refuse
+        while a load owns the allocation."""
+        rid = req.request_id
+        if rid in self._pending or any(load.request_id == rid for load, _ in self._dispatched.values()):
+            raise InvariantViolation(f"cannot destroy request {rid}'s allocation while a load owns it")
+        if req.generated:
+            raise InvariantViolation("the reference executor replays requests still in their prompt only")
+        self._free_pages(req.block_ids)
+        req.block_ids = []
+        req.state = State.WAITING
+        req.pos = req.reported_tokens = req.reported_blocks = req.external = req.verified_blocks = 0
+        req.load_async = False
+        self.waiting.append(req)
 
     def _ensure_generation_blocks(self, batch: list[SimRequest]) -> None:
         tpb = self.cfg.shape.tokens_per_block
@@ -247,7 +416,7 @@ class ReferenceExecutor:
                 while len(r.block_ids) * tpb < len(r.tokens):
                     if not self.free:
                         raise InvariantViolation("out of KV blocks during generation")
-                    r.block_ids.append(self.free.popleft())
+                    r.block_ids += self._allocate(1)
 
     def _scheduler_output(self, batch: list[SimRequest]) -> Any:
         out = SchedulerOutput()
@@ -327,7 +496,11 @@ class ReferenceExecutor:
             self._release(r)
 
     def _release(self, r: SimRequest) -> None:
-        self.free.extend(r.block_ids)
+        if any(load.request_id == r.request_id for load, _ in self._dispatched.values()):
+            self._held_for_load.add(r.request_id)  # a prefix load still owns its pages
+            r.state = State.SAVING
+            return
+        self._free_pages(r.block_ids)
         r.block_ids = []
         r.state = State.DONE
 
@@ -353,6 +526,29 @@ class ReferenceExecutor:
         for rid, (kind, deadline) in self._pending.items():
             if now > deadline:
                 raise InvariantViolation(f"KV connector failed: {kind} of request {rid} timed out")
+        if self._reserving:
+            self._retire_prefix_loads(now)
+
+    def _retire_prefix_loads(self, now: float) -> None:
+        """Reservations whose loads the worker finished: each must have been dispatched and be
+        reported once; its range is released, a parked request resumes, a finished one is freed."""
+        for res in self._timed(self.worker.get_finished_prefix_loads):
+            entry = self._dispatched.pop(res, None)
+            if entry is None:
+                raise InvariantViolation(f"get_finished_prefix_loads reported reservation {res}, which was not "
+                                         "dispatched (never accepted, or already reported)")
+            load = entry[0]
+            r = self.reqs[load.request_id]
+            self._timed(self.sched.release_prefix_reservation, r, res, load.start, load.end)
+            if r.request_id in self._held_for_load:
+                self._held_for_load.discard(r.request_id)
+                self._release(r)
+            elif r.state is State.PARKED:
+                r.state = State.CONTEXT
+        for res, (load, deadline) in self._dispatched.items():
+            if now > deadline:
+                raise InvariantViolation(f"KV connector failed: prefix load {res} of request {load.request_id} "
+                                         "timed out")
 
     # -- timing -----------------------------------------------------------------------------------
     def _timed(self, fn, *args, layer_hook: bool = False):
@@ -372,3 +568,20 @@ class ReferenceExecutor:
                 e = self.callback_times[fn.__name__] = [0, 0.0]
             e[0] += 1
             e[1] += dt
+
+
+def _implements_reservations(scheduler: Any, worker: Any) -> bool:
+    """Whether the connector implements the prefix-reservation protocol, as the newest manager
+    decides: all of it (reserve_prefix, release_prefix_reservation, get_finished_prefix_loads
+    overridden), or none; a part of it fails start-up."""
+    def overridden(obj: Any, base: type, name: str) -> bool:
+        own = getattr(type(obj), name, None)
+        return own is not None and own is not getattr(base, name, None)
+    have = [overridden(scheduler, KvCacheConnectorScheduler, "reserve_prefix"),
+            overridden(scheduler, KvCacheConnectorScheduler, "release_prefix_reservation"),
+            overridden(worker, KvCacheConnectorWorker, "get_finished_prefix_loads")]
+    if any(have) and not all(have):
+        raise InvariantViolation("KV connector prefix reservations require reserve_prefix and "
+                                 "release_prefix_reservation on the scheduler and get_finished_prefix_loads on "
+                                 "every worker")
+    return all(have)
