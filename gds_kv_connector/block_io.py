@@ -20,7 +20,7 @@ import torch
 from .checksum import CHECKSUM_ALGO
 from . import native
 from .engines.base import InTime, IoEngine, Once, ReadStopped, TransferItem, ViewsRead, WriteExpired
-from .pool import BlockPool, Pin, PoolError
+from .pool import FILE_FAULT_ERRNOS, BlockPool, Pin, PoolError
 from .pool_format import HEADER_SIZE, ZERO_KEY, BlockHeader, FormatError, SlotRef
 
 if TYPE_CHECKING:
@@ -302,7 +302,9 @@ def pin_blocks(pool: BlockPool, keys: list[bytes]) -> list[Pin]:
             raise LoadFailure(key, pool.path_for(key), str(exc)) from None
         except OSError as exc:
             key = keys[len(pins)]
-            raise LoadFailure(key, pool.path_for(key), f"open failed: {exc}") from None
+            moved = "; moved out of the pool (quarantined), so no owner meets it again" \
+                if exc.errno in FILE_FAULT_ERRNOS else ""
+            raise LoadFailure(key, pool.path_for(key), f"open failed: {exc}{moved}") from None
     except BaseException:
         pool.unpin_all(pins)
         raise
@@ -410,13 +412,22 @@ def _read_pinned(pool: BlockPool, engine: IoEngine, pins: list[Pin], views: list
         n, err = failed[0]
         transient = isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS
         if not transient or attempt >= retries or time.monotonic() >= deadline:
-            if isinstance(err, EOFError) and pins[n].slot is None:
-                pool.quarantine(pins[n].key, "truncated", pins[n].ino)
-            raise LoadFailure(pins[n].key, pins[n].path, f"payload read failed: {err}")
+            raise _read_failure(pool, pins[n], err)
         attempt += 1
         log.info("retrying %d block read(s) after %s (attempt %d of %d)", len(failed), err, attempt, retries)
         time.sleep(max(0.0, min(RETRY_PAUSE_S * 2 ** (attempt - 1), deadline - time.monotonic())))
         pending = [n for n, _ in failed]
+
+
+def _read_failure(pool: BlockPool, pin: Pin, err: BaseException) -> LoadFailure:
+    """The failure of a read that its retries did not cure.  A block file that ended early or keeps
+    failing for a reason of its own (FILE_FAULT_ERRNOS: EIO) is quarantined first: every restarted
+    owner would match it and die on it again.  A slot's slab is not the reference's fault."""
+    fault = isinstance(err, EOFError) or (isinstance(err, OSError) and err.errno in FILE_FAULT_ERRNOS)
+    if not fault or pin.slot is not None:
+        return LoadFailure(pin.key, pin.path, f"payload read failed: {err}")
+    pool.quarantine(pin.key, "truncated" if isinstance(err, EOFError) else f"read {_cause(err)}", pin.ino)
+    return LoadFailure(pin.key, pin.path, f"payload read failed: {err}; moved out of the pool (quarantined)")
 
 
 def _checked_header(pool: BlockPool, pin: Pin, raw: bytearray) -> int:

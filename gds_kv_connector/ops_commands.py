@@ -9,6 +9,7 @@ whatever is removed goes through the same rules as online eviction.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import sys
 import time
@@ -21,12 +22,14 @@ from .checksum import checksum_bytes
 from .eviction import EvictionReport, evict_pool, expire_pool
 from .metrics import live, read_owner_stats
 from .arena import SLAB_SUFFIX, SLABS_DIR, slab_of_tmp_name
-from .pool_format import HEADER_SIZE, REF_MAGIC, FormatError, is_ref_size, parse_header
+from .pool import PoolTrust, file_kind
+from .pool_format import HEADER_SIZE, MAX_PAYLOAD, REF_MAGIC, FormatError, file_size_for, is_ref_size, parse_header
 from .pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, list_dir, open_regular, owners_dir,
                         parse_ref_file, quarantine_destination, quarantine_dir, read_geometry, scan_pool)
 from .recency import ACCESS_SUFFIX
 from .slab_gc import remove_orphan_slabs
 from .retired_owners import RETIRED_NAME, RetiredOwners, read_retired
+from .settings import import_time_value
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # verify found bad files, or gc could not bring the pool within its budget
@@ -404,14 +407,18 @@ def _gc_lines(result: dict[str, Any]) -> list[str]:
 
 # -- verify ---------------------------------------------------------------------------------------
 def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
-           quarantine: bool = True) -> dict[str, Any]:
-    """Re-check every block's header and payload checksum in every root; move bad ones to quarantine."""
+           quarantine: bool = True, share_group: bool | None = None) -> dict[str, Any]:
+    """Re-check every block's header and payload checksum in every root; move to quarantine the bad
+    ones, the files of writers the pool does not trust (``untrusted``, :class:`~.pool.PoolTrust`;
+    ``share_group``: TLLM_GDS_KV_SHARE_GROUP where not given) and whatever else sits at a block name
+    (``junk``: a directory, FIFO or symbolic link)."""
     roots = pool_roots(root)
     for r in roots:
         _require_pool(r)
     if workers < 1:
         raise UsageError(f"workers must be >= 1, got {workers}")
-    results = [_verify_root(r, workers, progress, quarantine) for r in roots]
+    share = import_time_value("share_group") if share_group is None else share_group
+    results = [_verify_root(r, workers, progress, quarantine, share) for r in roots]
     reasons: Counter[str] = Counter()
     for r in results:
         reasons.update(r["reasons"])
@@ -424,17 +431,23 @@ def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
     return _over_roots(results, totals)
 
 
-def _verify_root(root: str, workers: int, progress: bool, quarantine: bool) -> dict[str, Any]:
+def _verify_root(root: str, workers: int, progress: bool, quarantine: bool, share_group: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     scan = scan_pool(root)
     blocks = scan.blocks
+    trust = PoolTrust.of_roots((root,), share_group)
+    payload_lens = {fp: _geometry_payload_len(root, fp) for fp in {b.fp for b in blocks}}
     reasons: Counter[str] = Counter()
     bad_files: list[dict[str, Any]] = []
     checked = ok = vanished = quarantined = 0
     nbytes = 0
-    tick = _progress(len(blocks), progress)
+    tick = _progress(len(blocks) + len(scan.junk), progress)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gdskv-verify") as ex:
-        for block, outcome in _map_bounded(ex, lambda b: _verify_one(root, b, quarantine), blocks, workers * 64):
+        checks = itertools.chain(
+            ((j, _verify_junk(root, j, quarantine)) for j in scan.junk),
+            _map_bounded(ex, lambda b: _verify_one(root, b, quarantine, trust, payload_lens[b.fp]), blocks,
+                         workers * 64))
+        for block, outcome in checks:
             tick()
             kind, detail, size, moved = outcome
             nbytes += size
@@ -487,8 +500,31 @@ def _map_bounded(ex: ThreadPoolExecutor, fn: Callable[[BlockFile], Any], items: 
         yield from zip(chunk, ex.map(fn, chunk))
 
 
-def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str, int, str | None]:
-    """(kind, detail, bytes read, quarantine path); kind is ok, vanished, header, checksum or io."""
+def _geometry_payload_len(root: str, fp: str) -> int | None:
+    """The payload size the owners of fingerprint ``fp`` recorded (fingerprint.json): every block of
+    it has that size (the fingerprint covers it), so no header claiming another is read further;
+    None when the file is absent or garbage (a block's own size is then the only bound)."""
+    value = (read_geometry(root, fp) or {}).get("payload_len")
+    return value if type(value) is int and 0 < value <= MAX_PAYLOAD else None
+
+
+def _verify_junk(root: str, entry: BlockFile, quarantine: bool) -> tuple[str, str, int, str | None]:
+    """An entry at a block name that is not a regular file: it never loads and keeps its key from
+    being saved, so it is moved to quarantine whole (renamed: a link is not followed, a FIFO not
+    opened, a directory not emptied)."""
+    try:
+        kind = file_kind(os.lstat(entry.path).st_mode)
+    except FileNotFoundError:
+        return "vanished", "", 0, None
+    return "junk", f"a {kind} at a block name", 0, _quarantine(root, entry, entry.ino, "junk", quarantine)
+
+
+def _verify_one(root: str, block: BlockFile, quarantine: bool, trust: PoolTrust,
+                payload_len: int | None) -> tuple[str, str, int, str | None]:
+    """(kind, detail, bytes read, quarantine path); kind is ok, vanished, untrusted, header, checksum
+    or io.  A file a writer outside ``trust`` made or could change is not read at all; a header is
+    read further only if its payload fits the file and the geometry (``payload_len``), so no
+    allocation exceeds either."""
     try:
         fd, st = open_regular(block.path)
     except FileNotFoundError:
@@ -496,11 +532,14 @@ def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str
     except OSError as exc:
         return "io", f"open failed: {exc.strerror}", 0, None
     try:
+        untrusted = trust.why_not(st)
+        if untrusted is not None:
+            return "untrusted", untrusted, 0, _quarantine(root, block, st.st_ino, "untrusted", quarantine)
         raw = os.pread(fd, HEADER_SIZE, 0)
         if raw[:len(REF_MAGIC)] == REF_MAGIC and is_ref_size(st.st_size):
-            return _verify_ref(root, block, fd, st, quarantine)
+            return _verify_ref(root, block, fd, st, quarantine, payload_len)
         try:
-            header = parse_header(raw, key=block.key, file_size=st.st_size)
+            header = parse_header(raw, key=block.key, file_size=st.st_size, payload_len=payload_len)
             if header.fingerprint.hex()[:len(block.fp)] != block.fp:
                 raise FormatError("fingerprint differs from its directory")
         except FormatError as exc:
@@ -517,14 +556,18 @@ def _verify_one(root: str, block: BlockFile, quarantine: bool) -> tuple[str, str
         os.close(fd)
 
 
-def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result,
-                quarantine: bool) -> tuple[str, str, int, str | None]:
+def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result, quarantine: bool,
+                payload_len: int | None) -> tuple[str, str, int, str | None]:
     """An arena reference: check it, then the slab slot it names, like a block file (the checks
-    eviction reads a reference's recency through: :class:`~.pool_scan.RefFile`)."""
+    eviction reads a reference's recency through: :class:`~.pool_scan.RefFile`); a slot size other
+    than the geometry's (``payload_len``) is a bad reference, so a slot read is bounded by it."""
     raw = _pread_exact(fd, st.st_size, 0)
     try:
         ref_file = parse_ref_file(block, raw)
         ref_file.entry(block.key)
+        if payload_len is not None and ref_file.slot_bytes != file_size_for(payload_len):
+            raise FormatError(f"slot size {ref_file.slot_bytes} differs from the geometry's "
+                              f"{file_size_for(payload_len)}")
     except FormatError as exc:
         return "header", f"reference: {exc}", len(raw), _quarantine(root, block, st.st_ino, "bad reference", quarantine)
     try:

@@ -75,6 +75,71 @@ def host_tag(host: str = _HOST) -> str:
 
 HOST_TAG = host_tag()
 
+# Errors opening or reading a block file that come from the file, not from this process (descriptor
+# limits, memory): they stay for every owner that meets the file, so a load that gets one (after its
+# retries) moves the file out of the key's name first, or each restarted owner would die on it in turn.
+FILE_FAULT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
+_FIRST_BYTE = operator.itemgetter(0)
+
+
+@dataclass(frozen=True)
+class PoolTrust:
+    """Who may write a pool (docs/format.md, "Trust"): what a file or directory's lstat or fstat
+    must show for its content to be believed.
+
+    ``uids``: root (it bypasses every permission, so distrusting its files protects nothing), this
+    process's uid and the owner of each pool root.  ``gids``: each root's group where this process
+    belongs to it and the pool is shared (the share group: the setgid directories hand it to every
+    pool file, and only its members can create files carrying it in them); else none.
+    """
+
+    uids: frozenset[int]
+    gids: frozenset[int]
+
+    @classmethod
+    def of_roots(cls, roots: Sequence[str], share_group: bool) -> PoolTrust:
+        """``share_group``: TLLM_GDS_KV_SHARE_GROUP; a root whose pool an owner made with it counts as
+        shared anyway (:func:`_made_for_sharing`), so an owner or ``gds-kv verify`` run without the
+        setting does not take the other owners' blocks for a stranger's."""
+        mine = {os.getegid(), *os.getgroups()}
+        owners = [os.stat(r) for r in roots]
+        gids = {st.st_gid for r, st in zip(roots, owners)
+                if st.st_gid in mine and (share_group or _made_for_sharing(r, st.st_gid))}
+        return cls(frozenset({0, os.geteuid(), *(st.st_uid for st in owners)}), frozenset(gids))
+
+    def why_not(self, st: os.stat_result) -> str | None:
+        """Why a writer outside the pool's could have made or changed what ``st`` describes; None
+        when only trusted writers could: it belongs to a trusted uid or the share group, and no
+        one else may write it (no write bit for others, none for a group that is not trusted)."""
+        if st.st_uid not in self.uids and st.st_gid not in self.gids:
+            return f"owned by uid {st.st_uid}, which may not write this pool"
+        if st.st_mode & stat.S_IWOTH:
+            return "writable by every user"
+        if st.st_mode & stat.S_IWGRP and st.st_gid not in self.gids:
+            return f"writable by group {st.st_gid}, which is not the pool's share group"
+        return None
+
+
+def _made_for_sharing(root: str, gid: int) -> bool:
+    """Whether the pool's layout directory under ``root`` is as an owner with TLLM_GDS_KV_SHARE_GROUP
+    makes it: setgid and group-writable, of the root's group ``gid`` (a group only its members, or
+    the setgid root of that group, can give a directory)."""
+    try:
+        st = os.lstat(os.path.join(root, LAYOUT_DIR))
+    except OSError:
+        return False
+    shared = stat.S_ISGID | stat.S_IWGRP
+    return stat.S_ISDIR(st.st_mode) and st.st_mode & shared == shared and st.st_gid == gid
+
+
+def file_kind(mode: int) -> str:
+    """What an entry is, in words, for the reason a block name's entry is rejected."""
+    for test, kind in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "device"
+
 
 @dataclass(slots=True)
 class Pin:
@@ -123,12 +188,20 @@ class BlockPool:
         self.refs = refs
         self._made_dirs: set[str] = set()
         self._lock = threading.Lock()
+        # first key bytes whose key directory was found trusted (never looked at again: only a
+        # writer of the trusted fingerprint directory can replace it), and those found untrusted,
+        # with when to look again (an operator may fix the directory while this owner serves)
+        self._trusted_dirs: set[int] = set()
+        self._untrusted_dirs: dict[int, float] = {}
         for root, fp_dir in zip(self.roots, self.fp_dirs):
             self._check_root(root)
             self._makedirs(fp_dir)
             self._makedirs(os.path.join(root, LAYOUT_DIR, QUARANTINE_DIR))
             self._makedirs(os.path.join(root, LAYOUT_DIR, OWNERS_DIR))
             self._write_geometry(fp_dir, geometry_note)
+        self.trust = PoolTrust.of_roots(self.roots, share_group)
+        for d in (*(os.path.join(r, LAYOUT_DIR) for r in self.roots), *self.fp_dirs):
+            self._require_trusted(d)
 
     # -- naming -----------------------------------------------------------------------------------
     def root_of(self, key: bytes) -> int:
@@ -148,7 +221,8 @@ class BlockPool:
 
     # -- lookup -----------------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        """True if a published file of the right size exists (trusted for index_ttl_s)."""
+        """True if a published file that could load exists (trusted for index_ttl_s): a regular
+        file of this pool's size, by a trusted writer, in a trusted key directory."""
         _check_key(key)
         now = time.monotonic()
         expires = self._index.get(key)
@@ -159,7 +233,7 @@ class BlockPool:
         except OSError:
             self._index.pop(key, None)
             return False
-        if not stat.S_ISREG(st.st_mode) or not self._size_ok(st.st_size):
+        if self._unusable(st, self.refs) is not None or not self._key_dir_trusted(key[0]):
             self._index.pop(key, None)
             return False
         self._index[key] = now + self.index_ttl_s
@@ -168,6 +242,57 @@ class BlockPool:
     def _size_ok(self, size: int) -> bool:
         """A block file's size, or an arena reference file's where this pool publishes those."""
         return size == self.file_size or (self.refs and is_ref_size(size))
+
+    def _unusable(self, st: os.stat_result, refs: bool) -> str | None:
+        """Why the entry ``st`` describes at a block name can never load here, or None: not a
+        regular file, a size neither a block's nor (with ``refs``) a reference file's, or made or
+        changeable by a writer the pool does not trust (:class:`PoolTrust`)."""
+        if not stat.S_ISREG(st.st_mode):
+            return f"a {file_kind(st.st_mode)}"
+        if st.st_size != self.file_size and not (refs and is_ref_size(st.st_size)):
+            return f"{st.st_size} bytes, not {self.file_size}"
+        return self.trust.why_not(st)
+
+    def _key_dir_trusted(self, b: int) -> bool:
+        """Whether the key directory of first key byte ``b`` is one only trusted writers can change:
+        a name in it was linked by one of them (``link(2)`` and ``rename(2)`` need write access to
+        the directory), so the match, whose stats return sizes only, believes what it finds there."""
+        if b in self._trusted_dirs:
+            return True
+        now = time.monotonic()
+        again = self._untrusted_dirs.get(b)
+        if again is not None and again > now:
+            return False
+        try:
+            st = os.lstat(self._key_dirs[b])
+        except OSError:
+            return False  # gone meanwhile: nothing in it can be matched
+        why = self.trust.why_not(st) if stat.S_ISDIR(st.st_mode) else f"a {file_kind(st.st_mode)}"
+        if why is None:
+            self._trusted_dirs.add(b)
+            return True
+        if again is None:
+            log.warning("key directory %s is %s: its blocks are never matched (docs/format.md, \"Trust\")",
+                        self._key_dirs[b], why)
+        self._untrusted_dirs[b] = now + self.index_ttl_s
+        return False
+
+    def _trusted_run(self, keys: list[bytes], n: int, m: int) -> int:
+        """How many of ``keys[n:n + m]``, from the first, lie in trusted key directories
+        (:meth:`_key_dir_trusted`): one C-level set check while every one was found trusted before."""
+        if self._trusted_dirs.issuperset(map(_FIRST_BYTE, itertools.islice(keys, n, n + m))):
+            return m
+        for i in range(n, n + m):
+            if not self._key_dir_trusted(keys[i][0]):
+                return i - n
+        return m
+
+    def _require_trusted(self, d: str) -> None:
+        """Refuse a pool whose layout or fingerprint directory an untrusted writer could change: it
+        could replace a key directory after this owner found it trusted."""
+        why = self.trust.why_not(os.lstat(d))
+        if why is not None:
+            raise PoolError(f"{d} is {why}: the pool cannot be trusted (docs/format.md, \"Trust\")")
 
     def not_indexed(self, keys: list[bytes]) -> list[int]:
         """Positions of the keys this process did not see published within index_ttl_s (no system
@@ -202,7 +327,7 @@ class BlockPool:
         if self._index.get(key, 0.0) > time.monotonic():
             return False
         sizes = self.ops.present_run(self._key_dirs, [key], 0, BLOCK_SUFFIX)
-        return not (sizes and self._size_ok(sizes[0]))
+        return not (sizes and self._size_ok(sizes[0]) and self._key_dir_trusted(key[0]))
 
     def match_chain(self, prev: bytes, tokens: list[int], tokens_per_block: int,
                     num_blocks: int) -> tuple[list[bytes], int]:
@@ -228,8 +353,11 @@ class BlockPool:
 
     def _accept_run(self, keys: list[bytes], n: int, sizes: list[int], now: float) -> int:
         """Index ``keys[n:]`` whose files were found with ``sizes``, up to the first whose size is
-        not one of this pool's, and forget the key where the run ends: the position it ends at."""
+        not one of this pool's or whose key directory is not trusted, and forget the key where the
+        run ends: the position it ends at."""
         index = self._index
+        if sizes and len(self._trusted_dirs) < 256:
+            sizes = sizes[:self._trusted_run(keys, n, len(sizes))]
         if sizes:  # none is the usual answer for a new prompt: its first block is not there
             until = now + self.index_ttl_s
             if all(map(self._size_ok, set(sizes))):  # the usual case: one size, checked once
@@ -271,12 +399,14 @@ class BlockPool:
     def pin(self, key: bytes) -> Pin:
         """Open the block for reading; raises FileNotFoundError, FormatError, EOFError or OSError.
 
-        A file that is not a regular file of the pool's size, or that ends before the bytes its
-        size promised (EOFError), is quarantined before the error is raised, so no owner matches
-        it again.  A symbolic link at the key's name is never followed (O_NOFOLLOW; it could
-        point at another key's block or outside the pool) and is quarantined the same way.
-        O_NONBLOCK keeps a FIFO planted at the name from blocking the transfer thread in open(2);
-        it has no effect on regular files.
+        A file that is not a regular file of the pool's size, that a writer the pool does not trust
+        made or could change (:class:`PoolTrust`, from the fstat the pin makes anyway), that ends
+        before the bytes its size promised (EOFError), or that cannot be opened or read for a
+        reason of its own (FILE_FAULT_ERRNOS: EACCES, EIO), is quarantined before the error is
+        raised, so no owner matches it again.  A symbolic link at the key's name is never followed
+        (O_NOFOLLOW; it could point at another key's block or outside the pool) and is quarantined
+        the same way.  O_NONBLOCK keeps a FIFO planted at the name from blocking the transfer
+        thread in open(2); it has no effect on regular files.
         """
         d = self.dir_for(key)
         if self.arena is not None:
@@ -299,6 +429,9 @@ class BlockPool:
         try:
             fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
+            if exc.errno in FILE_FAULT_ERRNOS:
+                self.quarantine(key, f"open {errno.errorcode[exc.errno]}")
+                raise
             if exc.errno != errno.ELOOP:
                 raise
             try:
@@ -308,10 +441,15 @@ class BlockPool:
             if lst is not None and stat.S_ISLNK(lst.st_mode):
                 self.quarantine(key, "symlink", lst.st_ino)
             raise FormatError("a symbolic link sits at the block's name (never followed)") from None
+        ino = None
         try:
             st = self.ops.fstat(fd)
+            ino = st.st_ino
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError("not a regular file")
+            untrusted = self.trust.why_not(st)
+            if untrusted is not None:
+                raise FormatError(f"untrusted file: {untrusted}")
             ref = None
             if is_ref_size(st.st_size) and (st.st_size != self.file_size or self._peek_magic(fd) == REF_MAGIC):
                 if self.arena is None:
@@ -322,7 +460,12 @@ class BlockPool:
                 raise FormatError(f"file is {st.st_size} bytes, expected {self.file_size}")
         except (FormatError, EOFError) as exc:  # EOFError: a file shrunk under the reader is as bad
             self.ops.close(fd)
-            self.quarantine(key, str(exc), st.st_ino)
+            self.quarantine(key, str(exc), ino)
+            raise
+        except OSError as exc:
+            self.ops.close(fd)
+            if exc.errno in FILE_FAULT_ERRNOS:
+                self.quarantine(key, f"read {errno.errorcode[exc.errno]}", ino)
             raise
         except BaseException:
             self.ops.close(fd)
@@ -422,6 +565,7 @@ class BlockPool:
                 deadline = time.monotonic() + self.index_ttl_s
                 if any(results):
                     results = self._relink_into_removed_dirs(tmp, linking, results)
+                    results = self._relink_over_junk(tmp, linking, results)
                 elif not no_dir:  # all linked: the common case, without a Python loop
                     self._index.update(dict.fromkeys(keys, deadline))
                     out.extend(itertools.repeat(True, len(keys)))
@@ -548,6 +692,17 @@ class BlockPool:
                 self._makedirs(self._key_dirs[b])
             except (OSError, PoolError):
                 pass  # the link below fails again and reports it
+        return self._relink(tmp, keys, results, again)
+
+    def _relink_over_junk(self, tmp: str, keys: list[bytes],
+                          results: list[OSError | None]) -> list[OSError | None]:
+        """``results`` with the keys whose names held junk (:meth:`_clear_junk`) linked once more."""
+        again = [n for n, err in enumerate(results) if isinstance(err, FileExistsError) and self._clear_junk(keys[n])]
+        return self._relink(tmp, keys, results, again) if again else results
+
+    def _relink(self, tmp: str, keys: list[bytes], results: list[OSError | None],
+                again: list[int]) -> list[OSError | None]:
+        """``results`` with ``keys[n]`` for n in ``again`` linked once more."""
         results = list(results)
         for n, err in zip(again, self.ops.link_keys(tmp, self._key_dirs, [keys[n] for n in again], BLOCK_SUFFIX)):
             results[n] = err
@@ -565,11 +720,11 @@ class BlockPool:
                 self.ops.link(tmp, final)
                 won = True
             except FileExistsError:
-                won = False
+                won = self._clear_junk(key) and self._link_again(tmp, final)
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                     raise
-                won = self._publish_by_rename(tmp, final)
+                won = self._publish_by_rename(tmp, key)
                 tmp = ""
             if won:
                 self._index[key] = time.monotonic() + self.index_ttl_s
@@ -577,15 +732,47 @@ class BlockPool:
         finally:
             self.discard_tmp(fd, tmp)
 
-    def _publish_by_rename(self, tmp: str, final: str) -> bool:
-        """For filesystems without hard links: rename, which replaces an equal-keyed block."""
+    def _link_again(self, tmp: str, final: str) -> bool:
+        """link(2) once more after junk was moved from the name; False if a writer took it first."""
         try:
-            self.ops.stat(final)
-            self.ops.unlink(tmp)
-            return False
-        except FileNotFoundError:
-            self.ops.rename(tmp, final)
+            self.ops.link(tmp, final)
             return True
+        except FileExistsError:
+            return False
+
+    def _publish_by_rename(self, tmp: str, key: bytes) -> bool:
+        """For filesystems without hard links: rename, which replaces an equal-keyed block, once the
+        name is free (junk at it moved aside first, :meth:`_clear_junk`)."""
+        final = self.path_for(key)
+        for attempt in (0, 1):
+            try:
+                self.ops.stat(final)
+            except FileNotFoundError:
+                self.ops.rename(tmp, final)
+                return True
+            if attempt or not self._clear_junk(key):
+                break
+        self.ops.unlink(tmp)
+        return False
+
+    def _clear_junk(self, key: bytes) -> bool:
+        """Move what holds ``key``'s name to the quarantine if it can never load (a directory, FIFO,
+        symbolic link or socket, a size no block or reference file has, an untrusted writer's file:
+        :meth:`_unusable`); True when the name may now be free.  Else every later save of the key
+        would lose to it and its prefix would never be saved again.  Only the name is examined
+        (lstat) and renamed: a link is never followed, a FIFO never opened, a directory renamed
+        whole into the quarantine directory."""
+        try:
+            st = self.ops.stat(self.path_for(key))
+        except FileNotFoundError:
+            return True  # removed meanwhile (evicted): link again
+        except OSError:
+            return False
+        why = self._unusable(st, refs=True)  # another owner's reference file is no junk
+        if why is None:
+            return False  # a block another writer published: a lost race
+        self.quarantine(key, f"junk: {why}", st.st_ino)
+        return True
 
     def discard_tmp(self, fd: int, tmp: str) -> None:
         if fd >= 0:

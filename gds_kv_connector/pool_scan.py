@@ -62,6 +62,9 @@ class PoolScan:
     blocks: list[BlockFile] = field(default_factory=list)
     tmp: list[str] = field(default_factory=list)  # temporary files of writers, live or dead
     foreign: int = 0  # entries that are neither blocks nor temporary files
+    # entries at block names that are not regular files (a directory, FIFO, symbolic link, socket):
+    # counted in ``foreign`` too; never loaded, they only keep their key from being saved
+    junk: list[BlockFile] = field(default_factory=list)
     # directories that could not be listed and entries that could not be lstat'ed (permissions: an
     # owner without the share group's modes made them; I/O errors): what is in them was not seen
     unreadable: int = 0
@@ -173,11 +176,12 @@ def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
     except OSError:  # a directory listable but not searchable (r without x), an I/O error
         out.unreadable += 1
         return
+    found = BlockFile(fp, bytes.fromhex(stem), entry.path, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
     if not stat.S_ISREG(st.st_mode):
         out.foreign += 1
+        out.junk.append(found)
         return
-    out.blocks.append(BlockFile(fp, bytes.fromhex(stem), entry.path, st.st_size, st.st_ino, st.st_mtime_ns,
-                                st.st_ctime_ns))
+    out.blocks.append(found)
 
 
 class NotRegularFile(OSError):
