@@ -6,6 +6,9 @@
  * GIL, releases it for the loop, and returns plain values.  Byte layouts are the ones in
  * docs/format.md and pool_format.py; the tests check every function against the Python code.
  *
+ * It also holds the slab guard (guard, unguard, guard_lost, arm_guard), which keeps a truncated
+ * arena slab from killing the process with SIGBUS; that one has no Python twin.
+ *
  * Built against the stable ABI (abi3, Python >= 3.11) and OpenSSL's SHA-256 (libcrypto); optional:
  * gds_kv_connector.native falls back to the Python code where it was not built.
  */
@@ -19,9 +22,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -457,6 +462,149 @@ static PyObject *first_changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(hit);
 }
 
+/* The slab guard (arena.py): a slab's pages can be taken from under its mappings at any time, by
+ * another process that truncates the file (to any size) or by a full tmpfs that cannot give a page
+ * of a sparse slab.  The next CPU access there raises SIGBUS, whose default action kills the
+ * process, however the access was made: the loops above, ctypes, numpy, torch, mmap slicing.  So
+ * every slab mapping is entered in `guards`, and a SIGBUS whose address lies in one is survived:
+ * the handler maps anonymous memory over the whole range (MAP_FIXED, the mapping's protection),
+ * marks it lost and returns, and the access runs again on the new pages, reading zeros or writing
+ * where no other process reads.  The arena asks guard_lost() before it uses a slab and checks slot
+ * headers after each copy, so bytes read from a lost range are never taken for a block.  A SIGBUS
+ * anywhere else goes to the action that was there before this handler (once; the default after
+ * that, so two handlers that each hand over to the other cannot loop), as if it had never been
+ * installed.  GPU DMA into cudaHostRegister'ed pages never faults (the pages stay pinned), so only
+ * CPU accesses need this.
+ *
+ * The table is written only under the GIL (guard, unguard) and read by the handler on any thread:
+ * an entry's len is stored last when it is filled and first when it is emptied. */
+#define GUARDS (1 << 16) /* slab mappings at once: a host-memory pool of 16 TiB in 256 MiB slabs */
+
+struct guard {
+    _Atomic uintptr_t start;
+    _Atomic size_t len; /* 0: a free entry */
+    int prot;
+    atomic_int lost; /* 0 intact, 1 while the handler maps over it, 2 once it has */
+};
+
+static struct guard guards[GUARDS];
+static atomic_size_t guard_top;   /* entries at and above this one were never used */
+static atomic_long guards_lost;   /* ranges lost so far: guard_lost() is one load while none is */
+static struct sigaction bus_before; /* the SIGBUS action this handler replaced */
+static atomic_int bus_passed_on;
+
+/* Not a slab's fault: the action from before takes it (the default after the first time).  A
+ * fault happens again once this returns; a SIGBUS sent with kill(2) is sent again. */
+static void pass_on(int sig, const siginfo_t *si) {
+    if (atomic_exchange(&bus_passed_on, 1)) {
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(sig, &dfl, NULL);
+    } else {
+        sigaction(sig, &bus_before, NULL);
+    }
+    if (si->si_code <= 0) raise(sig);
+}
+
+static void on_sigbus(int sig, siginfo_t *si, void *ctx) {
+    int saved_errno = errno;
+    if (si->si_code > 0) { /* raised by a fault, not sent */
+        uintptr_t at = (uintptr_t)si->si_addr;
+        size_t top = atomic_load(&guard_top);
+        for (size_t i = 0; i < top; i++) {
+            struct guard *g = &guards[i];
+            size_t len = atomic_load_explicit(&g->len, memory_order_acquire);
+            uintptr_t start = atomic_load_explicit(&g->start, memory_order_relaxed);
+            if (!len || at - start >= len) continue;
+            int intact = 0;
+            if (atomic_compare_exchange_strong(&g->lost, &intact, 1)) {
+                if (mmap((void *)start, len, g->prot, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) == MAP_FAILED)
+                    break; /* cannot be survived: as if there were no guard */
+                atomic_store(&g->lost, 2);
+                atomic_fetch_add(&guards_lost, 1);
+            }
+            /* lost == 1: another thread is mapping over it, and this access faults until it has */
+            errno = saved_errno;
+            return;
+        }
+    }
+    pass_on(sig, si);
+    errno = saved_errno;
+}
+
+/* Installs on_sigbus unless it is the SIGBUS action already (again after someone replaced it, such as
+ * faulthandler.enable() after the first slab was mapped). */
+static int arm_sigbus(void) {
+    struct sigaction now, mine;
+    if (sigaction(SIGBUS, NULL, &now) < 0) return -1;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus) return 0;
+    memset(&mine, 0, sizeof mine);
+    mine.sa_sigaction = on_sigbus;
+    mine.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    sigemptyset(&mine.sa_mask);
+    bus_before = now;
+    atomic_store(&bus_passed_on, 0);
+    return sigaction(SIGBUS, &mine, NULL);
+}
+
+/* guard(addr, nbytes, writable): survive SIGBUS in [addr, addr + nbytes) from now on (see above). */
+static PyObject *guard(PyObject *self, PyObject *args) {
+    unsigned long long addr, len;
+    int writable;
+    if (!PyArg_ParseTuple(args, "KKp", &addr, &len, &writable)) return NULL;
+    if (!len) {
+        PyErr_SetString(PyExc_ValueError, "an empty range");
+        return NULL;
+    }
+    if (arm_sigbus() < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    size_t top = atomic_load(&guard_top), i = 0;
+    while (i < top && atomic_load(&guards[i].len)) i++;
+    if (i == GUARDS) {
+        PyErr_Format(PyExc_OSError, "more than %d slab mappings to guard", GUARDS);
+        return NULL;
+    }
+    struct guard *g = &guards[i];
+    g->prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    atomic_store(&g->lost, 0);
+    atomic_store_explicit(&g->start, (uintptr_t)addr, memory_order_relaxed);
+    atomic_store_explicit(&g->len, (size_t)len, memory_order_release);
+    if (i == top) atomic_store(&guard_top, top + 1);
+    Py_RETURN_NONE;
+}
+
+/* The entry guarding the range that starts at addr, or NULL. */
+static struct guard *guard_at(uintptr_t addr) {
+    size_t top = atomic_load(&guard_top);
+    for (size_t i = 0; i < top; i++)
+        if (atomic_load(&guards[i].len) && atomic_load(&guards[i].start) == addr) return &guards[i];
+    return NULL;
+}
+
+/* unguard(addr): the range starting at addr is about to be unmapped; a later fault there is not a slab's. */
+static PyObject *unguard(PyObject *self, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    struct guard *g = guard_at((uintptr_t)addr);
+    if (g) atomic_store_explicit(&g->len, 0, memory_order_release);
+    Py_RETURN_NONE;
+}
+
+/* guard_lost(addr) -> bool: whether a fault replaced the guarded range starting at addr. */
+static PyObject *guard_lost(PyObject *self, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (!atomic_load(&guards_lost)) Py_RETURN_FALSE;
+    struct guard *g = guard_at((uintptr_t)addr);
+    return PyBool_FromLong(g && atomic_load(&g->lost));
+}
+
+/* arm_guard(): install the handler again where another replaced it since (arena's periodic sweep). */
+static PyObject *arm_guard(PyObject *self, PyObject *unused) {
+    if (atomic_load(&guard_top) && arm_sigbus() < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 /* The 256 key directories of a pool (pool._key_dirs) as UTF-8, kept alive by the str objects in
  * the tuple; *longest is the longest one's length. */
 static int key_dirs(PyObject *dirs, const char **dir_of, size_t *dir_len, size_t *longest) {
@@ -853,6 +1001,10 @@ static PyMethodDef methods[] = {
     {"check_headers", check_headers, METH_VARARGS,
      "check_headers(addrs, fingerprint, keys, created, payload_len) -> (fields, sums, bad, reason)"},
     {"first_changed", first_changed, METH_VARARGS, "first_changed(addrs, fields) -> int"},
+    {"guard", guard, METH_VARARGS, "guard(addr, nbytes, writable): survive SIGBUS in that slab mapping"},
+    {"unguard", unguard, METH_O, "unguard(addr): the slab mapping at addr is about to be unmapped"},
+    {"guard_lost", guard_lost, METH_O, "guard_lost(addr) -> bool: a fault replaced that slab mapping"},
+    {"arm_guard", arm_guard, METH_NOARGS, "arm_guard(): the SIGBUS handler again where another replaced it"},
     {NULL, NULL, 0, NULL},
 };
 

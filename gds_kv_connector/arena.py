@@ -31,6 +31,37 @@ Rules that keep readers safe without a lock shared between processes:
   checks the header it read and always verifies the payload against it (one write's pages reach
   the disk in no promised order, so there is no "header last").  Either way a reader racing a
   reuse fails cleanly instead of loading wrong bytes.
+
+A slab's size is not in its owner's hands: any process that may write the file (the same user,
+or one of a shared group) can truncate it, to any size, at any time, and on a full tmpfs a page
+of a slab may not exist.  A CPU access to such a page through a mapping raises SIGBUS, which
+kills the process however it was made (the header loops, the POSIX engine's copies, numpy or
+torch over the mapping), so no rule about who writes is enough.  Three things keep every
+process alive and every load whole:
+
+* Slabs are backed for real before they are mapped: ``posix_fallocate`` (on tmpfs it reserves
+  every page), for a new slab and for one adopted, so a slab that does not fit fails there with
+  ENOSPC, not at a later access.  :meth:`SlotArena.start` fails at once (ArenaError, one line)
+  when the slabs it still has to create do not fit in the free space; a slab that cannot be
+  created later stops the growth, logged once, and saves that find no slot are written as block
+  files.
+* Every mapping is guarded (native.guard_mapping, csrc/native.c): a SIGBUS at an address inside
+  one is survived by mapping anonymous memory over the whole slab and marking it lost, so the
+  access completes on pages that are not the slab's.  This covers every CPU access wherever it is
+  made, which a check before each access could not (the file can shrink between the check and
+  the access).  DMA into pages registered with CUDA never faults: they stay pinned.  Without the
+  C extension nothing can guard a mapping, so :func:`start_arena` then moves slabs with reads
+  and writes, which see a truncated file as a short read.
+* Before each batch's first access (a save's slots, a load's headers) each slab it uses is
+  checked: not lost, the size it was mapped at, and no fewer pages (a slab truncated and
+  extended again has the size but new pages, while the pages registered with CUDA are the old
+  ones).  A damaged slab is dropped: its blocks are misses from then on, its mapping stays for
+  ``release_grace_s`` (a copy may run through it), and an owned one is unlinked (references to it
+  then fail as references to a removed slab do) and replaced in the background.  A slab that
+  breaks during a batch is caught after it: a load's headers, read after its copy, are zeros or
+  another record, and it fails; a save's records written after the fault went to memory that is
+  not the slab's, so loads through its references to them fail (the file is short, zero or gone
+  there).  Slabs on disk are not mapped: a truncated one gives short reads, which fail the load.
 """
 
 from __future__ import annotations
@@ -47,7 +78,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
@@ -80,6 +111,7 @@ HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
 _KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
 _SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_CLAIMED_SLOTS = operator.itemgetter(2)  # of a claimed slab (name, fd, slots)
 _COUNT = operator.itemgetter(3)  # of a _free run
 _REF_FILE_CACHE = 8192  # parsed reference files kept (each covers one save batch)
 _WHERE_CACHE = 1 << 20  # remembered key locations (about 200 bytes each)
@@ -106,10 +138,12 @@ class Slab:
     writable: bool
     owned: bool = False  # created or adopted by this process (it holds the slab's flock)
     sid: int = -1  # this process's number for the slab: the high bits of its slots' positions in _used
+    blocks: int = 0  # st_blocks of the file when it was mapped: fewer later means pages were taken away
 
 
 class ArenaError(RuntimeError):
-    """The arena cannot be used as configured (not a host-memory filesystem, registration failed)."""
+    """The arena cannot be used as configured (not a host-memory filesystem, registration failed, its
+    slabs do not fit in the free space)."""
 
 
 class SlotArena:
@@ -161,55 +195,109 @@ class SlotArena:
         self.stats = collections.Counter()
         self._ready = threading.Event()
         self._closed = False
-        self._builder: threading.Thread | None = None
+        self._builder: threading.Thread | None = None  # the start-up build, or a later regrowth
+        if mapped and not native.GUARDS:
+            log.warning("gds-kv arena: the C extension is not built, so nothing guards slab mappings: a slab "
+                        "truncated by another process kills this process with SIGBUS")
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
-        """Adopt slabs of dead owners, then create slabs up to the capacity; saves that find no
-        free slot meanwhile are written as block files, so start-up never blocks serving."""
+        """Claim the slabs of this host's dead owners and check that the slabs still to create fit
+        in the free space (ArenaError, one line, if not: an arena that cannot be backed would fail
+        every save), then adopt the claimed slabs and create the rest; saves that find no free
+        slot meanwhile are written as block files, so start-up never blocks serving."""
+        claimed = self._claim_dead_owners()
+        try:
+            self._check_fits(sum(map(_CLAIMED_SLOTS, claimed)))
+        except BaseException:
+            for _, fd, _ in claimed:
+                os.close(fd)
+            raise
         if background:
-            self._builder = threading.Thread(target=self._build, name="gdskv-arena", daemon=True)
+            self._builder = threading.Thread(target=self._build, args=(claimed,), name="gdskv-arena", daemon=True)
             self._builder.start()
         else:
-            self._build()
+            self._build(claimed)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
 
-    def _build(self) -> None:
+    def _claim_dead_owners(self) -> list[tuple[str, int, int]]:
+        """(name, locked descriptor, slots) of this host's slabs whose owner is gone, up to the
+        capacity; this host's temporary slabs whose creator died are removed (they hold space)."""
+        claimed: list[tuple[str, int, int]] = []
+        room = self.capacity_slots - self.owned_slots
+        for name in sorted(os.listdir(self.dir)):
+            tmp_of = slab_of_tmp_name(name)
+            if tmp_of is not None:
+                if slab_host_is_this(tmp_of):
+                    self._remove_dead_temp(name)
+                continue
+            known = self._slabs.get(name)
+            if (room > 0 and name.endswith(SLAB_SUFFIX) and slab_host_is_this(name)
+                    and (known is None or not known.owned)):
+                got = self._claim(name, room)
+                if got is not None:
+                    claimed.append((name, *got))
+                    room -= got[1]
+        return claimed
+
+    def _check_fits(self, claimed_slots: int) -> None:
+        """ArenaError when the slabs still to create need more bytes than the pool's filesystem has
+        free.  Another process may take the space before they are created: then the growth stops
+        (:meth:`_grow`)."""
+        need = (self.capacity_slots - self.owned_slots - claimed_slots) * self.slot_bytes
+        free = _free_bytes(self.dir)
+        if need > free:
+            raise ArenaError(f"arena of {self.capacity_slots * self.slot_bytes} bytes does not fit in {self.dir}: its "
+                             f"new slabs need {need} bytes and {free} are free (lower TLLM_GDS_KV_ARENA_BYTES or free "
+                             "space)")
+
+    def _build(self, claimed: list[tuple[str, int, int]]) -> None:
         t0 = time.monotonic()
         try:
-            for name in sorted(os.listdir(self.dir)):
+            for name, fd, nslots in claimed:
                 if self._closed:
-                    break
-                tmp_of = slab_of_tmp_name(name)
-                if tmp_of is not None:
-                    if slab_host_is_this(tmp_of):
-                        self._remove_dead_temp(name)
-                    continue
-                known = self._slabs.get(name)
-                if (self.owned_slots < self.capacity_slots and name.endswith(SLAB_SUFFIX) and slab_host_is_this(name)
-                        and (known is None or not known.owned)):
-                    self._try_adopt(name)
-            while self.owned_slots < self.capacity_slots and not self._closed:
-                self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
-        except Exception as exc:  # noqa: BLE001 - the arena shrinks to what was built; saves fall back
-            log.error("gds-kv arena: building slabs in %s stopped: %s (%d slots usable)", self.dir, exc,
-                      self.owned_slots)
-            self.stats["build_errors"] += 1
+                    os.close(fd)  # let go unadopted
+                else:
+                    self._adopt(name, fd, nslots)
+            self._grow()
         finally:
             self._ready.set()
         # a disk arena writes every new slab once: tens of seconds for tens of GiB, worth a line
         log.info("gds-kv arena: %d slots ready in %s after %.1f s (%d slabs created, %d adopted)", self.owned_slots,
                  self.dir, time.monotonic() - t0, self.stats["slabs_created"], self.stats["slabs_adopted"])
 
+    def _grow(self) -> None:
+        """Create slabs up to the capacity.  A slab that cannot be created (its space was taken)
+        stops the growth, logged once: the arena keeps what it has, and saves that find no slot
+        are written as block files."""
+        try:
+            while self.owned_slots < self.capacity_slots and not self._closed:
+                self._create_slab(min(self.slots_per_slab, self.capacity_slots - self.owned_slots))
+        except Exception as exc:  # noqa: BLE001 - the arena shrinks to what was built; saves fall back
+            log.error("gds-kv arena: building slabs in %s stopped: %s (%d slots usable)", self.dir, exc,
+                      self.owned_slots)
+            self.stats["build_errors"] += 1
+
+    def _regrow(self) -> None:
+        """Replace dropped slabs in the background, unless a build is running (it grows to the
+        capacity itself) or the arena is closed."""
+        with self._lock:
+            if self._closed or (self._builder is not None and self._builder.is_alive()):
+                return
+            self._builder = threading.Thread(target=self._grow, name="gdskv-arena", daemon=True)
+            self._builder.start()
+
     def close(self) -> None:
         """Unregister and unmap every slab; owned slabs stay on disk for readers and adopters."""
-        self._closed = True
-        if self._builder is not None:
-            self._builder.join()
+        with self._lock:  # no regrowth starts after this
+            self._closed = True
+            builder = self._builder
+        if builder is not None:
+            builder.join()
         with self._lock:
-            for slab in [*self._slabs.values(), *(slab for _, slab in self._retired)]:
+            for slab in [*self._slabs.values(), *map(_SECOND, self._retired)]:
                 self._unmap(slab)
             self._slabs.clear()
             self._retired.clear()
@@ -233,7 +321,9 @@ class SlotArena:
             if self.pool.file_mode & 0o077:
                 os.fchmod(fd, self.pool.file_mode)
             os.ftruncate(fd, nslots * self.slot_bytes)
-            if not self.mapped:
+            if self.mapped:
+                _back(fd, nslots * self.slot_bytes, self.dir)
+            else:
                 _preallocate(fd, nslots * self.slot_bytes)
             slab = self._map(name, fd, nslots, writable=True)
             # rename replaces a file of that name; O_EXCL on the temporary name and this check keep
@@ -270,35 +360,51 @@ class SlotArena:
         finally:
             os.close(fd)
 
-    def _try_adopt(self, name: str) -> None:
-        """Take over the slab of an owner that died: its lock is free.  Slots whose record is
-        still referenced stay in use; the rest become free."""
+    def _claim(self, name: str, room: int) -> tuple[int, int] | None:
+        """(descriptor holding its lock, slots) of a slab whose owner died (its lock is free), at
+        most ``room`` slots; None when it is not to be adopted."""
         path = os.path.join(self.dir, name)
         try:
             check_slab_name(name)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except (OSError, FormatError):
-            return
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)  # a live owner holds it
-            return
-        if not still_named(path, fd):
-            # gc locked, unlinked and closed it between the open and the flock: slots saved into
-            # this inode would be named by references no process can follow
-            log.info("gds-kv arena: not adopting slab %s: removed before it was locked", name)
+            return None
+        try:
+            if not still_named(path, fd):
+                # gc locked, unlinked and closed it between the open and the flock: slots saved into
+                # this inode would be named by references no process can follow
+                raise ArenaError("removed before it was locked")
+            nslots = self._slot_count(fd, name)
+            if nslots > room:
+                raise ArenaError("over capacity")
+        except (OSError, ArenaError, FormatError) as exc:
+            log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
             os.close(fd)
-            return
+            return None
+        return fd, nslots
+
+    def _adopt(self, name: str, fd: int, nslots: int) -> None:
+        """Take over a claimed slab (:meth:`_claim`), backed first (:func:`_back`: one made by an
+        older version may be sparse).  Slots whose record is still referenced stay in use; the rest
+        become free."""
+        if self.mapped:
+            try:
+                _back(fd, nslots * self.slot_bytes, self.dir)
+            except OSError as exc:
+                log.info("gds-kv arena: not adopting slab %s: %s", name, exc)
+                os.close(fd)
+                return
         # Under the lock: a load may have mapped this slab for reading meanwhile, and replacing that
         # mapping would unmap it under the addresses a transfer thread is copying from (a crash, not
         # an error, once the header checks run in C).  Such a mapping is taken over instead.
         with self._lock:
             try:
                 slab = self._slabs.get(name)
-                nslots = slab.nslots if slab is not None else self._slot_count(fd, name)
-                if self.owned_slots + nslots > self.capacity_slots:
-                    raise ArenaError("over capacity")
                 if slab is None:
                     slab = self._slabs[name] = self._map(name, fd, nslots, writable=True)
                 elif not slab.writable:
@@ -311,6 +417,7 @@ class SlotArena:
                     os.dup2(fd, slab.fd, inheritable=False)
                     os.close(fd)
                 slab.owned = True
+                nslots = slab.nslots
             except BaseException as exc:
                 # Any failure, a registration error (cupy raises RuntimeError) included: the
                 # descriptor holds the dead owner's lock, and leaking it would keep every adopter
@@ -353,15 +460,18 @@ class SlotArena:
             return Slab(name, fd, None, None, 0, nslots, False, writable, sid=next(self._sids))
         size = nslots * self.slot_bytes
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        # MAP_POPULATE faults every page in now (allocating a fresh slab's pages), not per DMA.
+        # MAP_POPULATE maps every page now, not at the first DMA (an own slab's pages exist: _back)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
         array = np.frombuffer(mm, dtype=np.uint8)
         base = array.__array_interface__["data"][0]
-        slab = Slab(name, fd, mm, array, base, nslots, False, writable, sid=next(self._sids))
+        slab = Slab(name, fd, mm, array, base, nslots, False, writable, sid=next(self._sids),
+                    blocks=os.fstat(fd).st_blocks)
         del array
         try:
+            native.guard_mapping(base, size, writable)  # before anything reads or writes the pages
             self.mapper.register_host(base, size, not writable)
         except BaseException:
+            native.unguard_mapping(base)
             slab.array = None  # type: ignore[assignment]
             mm.close()
             raise
@@ -376,11 +486,13 @@ class SlotArena:
                 log.debug("unregistering slab %s failed: %s", slab.name, exc)
             slab.registered = False
         slab.array = None
-        try:
-            if slab.mm is not None:
+        if slab.mm is not None:
+            native.unguard_mapping(slab.base)
+            try:
                 slab.mm.close()
-        except BufferError:
-            log.debug("slab %s still exported; left mapped", slab.name)
+            except BufferError:
+                native.guard_mapping(slab.base, slab.nslots * self.slot_bytes, slab.writable)  # still mapped
+                log.debug("slab %s still exported; left mapped", slab.name)
         os.close(slab.fd)  # releases the owner lock
 
     def _slab(self, name: str) -> Slab:
@@ -430,6 +542,8 @@ class SlotArena:
             due = [slab for at, slab in self._retired if at <= now]
             self._retired = [(at, slab) for at, slab in self._retired if at > now]
         try:
+            if self.mapped:
+                native.rearm_guard()
             gone = [slab for slab in foreign if not still_named(os.path.join(self.dir, slab.name), slab.fd)]
             with self._lock:
                 for slab in gone:
@@ -448,6 +562,58 @@ class SlotArena:
         if size == 0 or size % self.slot_bytes:
             raise FormatError(f"slab {name} is {size} bytes, not a multiple of the slot size")
         return size // self.slot_bytes
+
+    def _damage(self, slab: Slab) -> str | None:
+        """Why a mapped slab can no longer be used (see the module doc), or None: a fault replaced
+        its mapping, its file is not the size it was mapped at, or it has fewer pages than then
+        (truncated and extended again: the pages registered with CUDA are no longer the file's)."""
+        if native.mapping_lost(slab.base):
+            return "a page of it was taken away under its mapping (the file was truncated, or its filesystem is full)"
+        st = os.fstat(slab.fd)
+        size = slab.nslots * self.slot_bytes
+        if st.st_size != size:
+            return f"the file is {st.st_size} bytes, not {size}: truncated by another process"
+        if st.st_blocks < slab.blocks:
+            return "the file lost pages: truncated and extended again by another process"
+        return None
+
+    def _drop_damaged(self, names: Iterable[str]) -> bool:
+        """Drop the damaged mapped slabs among ``names`` (:meth:`_damage`); whether there was one.
+        Once per batch, before its first access: a lost-flag check and an fstat per slab, which
+        tmpfs answers from memory."""
+        dropped = False
+        for name in names:
+            slab = self._slabs.get(name)
+            why = None if slab is None or slab.mm is None else self._damage(slab)
+            if why is not None:
+                self._drop(slab, why)  # type: ignore[arg-type]
+                dropped = True
+        return dropped
+
+    def _drop(self, slab: Slab, why: str) -> None:
+        """Stop using a damaged slab: its blocks are misses from now on.  Its mapping stays for
+        release_grace_s (a copy may be running through it).  An owned slab is also unlinked, so no
+        process maps it again and references to it fail as references to a removed slab do, and
+        replaced in the background."""
+        with self._lock:
+            if self._slabs.get(slab.name) is not slab:
+                return  # dropped by another thread
+            del self._slabs[slab.name]
+            self._retired.append((self.clock() + self.release_grace_s, slab))
+            if slab.owned:
+                self.owned_slots -= slab.nslots
+                for pos in [pos for pos in self._used if pos >> 32 == slab.sid]:
+                    del self._used[pos]
+                kept = [run for run in self._free if run[1] != slab.name]
+                self._free.clear()
+                self._free.extend(kept)
+        self.stats["slabs_dropped"] += 1
+        log.warning("gds-kv arena: dropping slab %s: %s; its blocks are misses from now on", slab.name, why)
+        if slab.owned:
+            path = os.path.join(self.dir, slab.name)
+            if still_named(path, slab.fd):  # this process holds its lock: no one else removes or adopts it
+                _unlink_quietly(path)
+            self._regrow()
 
     def _record_at(self, slab: Slab, slot: int) -> SlotRef | None:
         off = slot * self.slot_bytes
@@ -471,15 +637,20 @@ class SlotArena:
             self._reclaim(n - len(out))
             with self._lock:
                 self._take_ready(n - len(out), out)
+        if out and self.mapped and self._drop_damaged(set(map(_FIRST, out))):
+            out = [slot for slot in out if slot[0] in self._slabs]  # a dropped slab's slots went with it
         if len(out) < n:
             self.stats["alloc_short"] += n - len(out)
         return out
 
     def _take_ready(self, need: int, out: list[tuple[str, int]]) -> None:
-        """Append up to ``need`` ready slots to ``out``."""
-        now, free = self.clock(), self._free
+        """Append up to ``need`` ready slots to ``out``; runs of a dropped slab (given back by a save
+        that was using it) are discarded."""
+        now, free, slabs = self.clock(), self._free, self._slabs
         while need > 0 and free and free[0][0] <= now:
             ready, name, first, count = free.popleft()
+            if name not in slabs:
+                continue
             take = min(count, need)
             out.extend(zip(itertools.repeat(name, take), range(first, first + take)))
             if take < count:
@@ -503,14 +674,20 @@ class SlotArena:
         """Start addresses of this owner's slots (their headers), for native.write_headers."""
         slabs, sb = self._slabs, self.slot_bytes
         names = set(map(_FIRST, slots))
+        if not names <= slabs.keys():  # a slab dropped since alloc: its mapping stays for the grace
+            slabs = {**{slab.name: slab for _, slab in self._retired}, **slabs}
         if len(names) == 1:  # one slab, the common batch: C iterators, not a Python loop
             return list(map(slabs[names.pop()].base.__add__, map(sb.__mul__, map(_SECOND, slots))))
         return [slabs[name].base + slot * sb for name, slot in slots]
 
     def published(self, refs: list[SlotRef]) -> None:
         """Slots of this owner's slabs that a reference file now names."""
+        positions = self._positions(refs)
         with self._lock:
-            self._used.update(zip(self._positions(refs), refs))
+            if -1 in positions:  # a slab dropped meanwhile: not this owner's any more
+                self._used.update((pos, ref) for pos, ref in zip(positions, refs) if pos >= 0)
+            else:
+                self._used.update(zip(positions, refs))
         self.remember_all(refs)
 
     def _positions(self, refs: list[SlotRef]) -> list[int]:
@@ -637,7 +814,10 @@ class SlotArena:
         err: Exception | None = None
         sb = self.slot_bytes
         names, slots = list(map(_SLAB, refs)), list(map(_SLOT, refs))
-        mapped_slabs = [self._slabs.get(name) for name in set(names)]
+        distinct = set(names)
+        if self.mapped:
+            self._drop_damaged(distinct)  # then looked up afresh below, and found short or gone
+        mapped_slabs = [self._slabs.get(name) for name in distinct]
         if refs and None not in mapped_slabs and 0 <= min(slots) and \
                 max(slots) < min(slab.nslots for slab in mapped_slabs):  # type: ignore[union-attr]
             # the common batch: slabs mapped already, every slot inside them; no per-ref method calls
@@ -698,10 +878,13 @@ def slab_kind(mapped: bool) -> str:
 
 
 def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> SlotArena:
-    """The worker's arena, its slab kind chosen by :func:`maps_slabs`."""
+    """The worker's arena, its slab kind chosen by :func:`maps_slabs`; slabs are mapped only where
+    the C extension guards mappings (native.GUARDS): a truncated slab must not kill the process.
+    Raises ArenaError (one line) when its slabs do not fit."""
     # a load holding a removed slab's addresses runs within its deadline: twice that, at least the default
+    mapped = maps_slabs(pool.roots[0]) and native.GUARDS
     arena = SlotArena(pool, mapper, settings.arena_bytes, settings.arena_slab_bytes, settings.arena_reuse_delay_s,
-                      mapped=maps_slabs(pool.roots[0]), release_grace_s=max(RELEASE_GRACE_S, 2 * settings.deadline_s))
+                      mapped=mapped, release_grace_s=max(RELEASE_GRACE_S, 2 * settings.deadline_s))
     arena.start()
     return arena
 
@@ -779,6 +962,23 @@ def slab_of_tmp_name(name: str) -> str | None:
     if name.startswith(".") and name.endswith(SLAB_SUFFIX + SLAB_TMP_SUFFIX):
         return name[1:-len(SLAB_TMP_SUFFIX)]
     return None
+
+
+def _back(fd: int, nbytes: int, where: str) -> None:
+    """Give a mapped slab a page for each of its ``nbytes`` now (``posix_fallocate``; on tmpfs it
+    reserves them): mapped without, a slab a full filesystem cannot back maps without complaint
+    (MAP_POPULATE stops short silently) and faults at the first use of a missing page."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot back a slab of {nbytes} bytes in {where} ({_free_bytes(where)} bytes "
+                                 f"free): {exc.strerror}") from None
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still allocate on ``path``'s filesystem."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _preallocate(fd: int, nbytes: int) -> None:

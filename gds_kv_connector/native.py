@@ -7,6 +7,11 @@ GIL, as much as a 256 KiB DMA takes.  The C versions run a whole batch per call 
 released.  Where the extension is missing (no compiler or OpenSSL headers at install time) the
 same loops run in Python, byte for byte alike; ``BUILT`` says which is in use and ``gds-kv
 doctor`` reports it.  Addresses passed here are slot starts inside the arena's own mappings.
+
+The extension also guards those mappings (:func:`guard_mapping`): a slab truncated by another
+process, or a page a full tmpfs cannot give, must not kill the process with SIGBUS at the next
+CPU access (csrc/native.c says how).  That has no Python twin, so it stays where the tests swap
+the loops for their fallback; ``GUARDS`` says whether this process has it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ except ImportError:
     _lib = None
 
 BUILT = _lib is not None
+# the guard's module: not swapped with _lib, since the guard is not a loop with a Python twin
+_guard = _lib
+GUARDS = _guard is not None
 
 
 def chain_keys(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tokens_per_block: int,
@@ -126,3 +134,29 @@ def first_changed(addrs: Sequence[int], fields: bytes) -> int:
             return i
     return -1
 
+
+def guard_mapping(addr: int, nbytes: int, writable: bool) -> None:
+    """From now on a SIGBUS at a CPU access in ``[addr, addr + nbytes)`` (a slab mapping) is
+    survived: the range is replaced by anonymous memory and :func:`mapping_lost` says so.  Nothing
+    where the extension is missing (``GUARDS`` False); OSError when its table is full."""
+    if _guard is not None:
+        _guard.guard(addr, nbytes, writable)
+
+
+def unguard_mapping(addr: int) -> None:
+    """The guarded range starting at ``addr`` is about to be unmapped."""
+    if _guard is not None:
+        _guard.unguard(addr)
+
+
+def mapping_lost(addr: int) -> bool:
+    """Whether a fault replaced the guarded range starting at ``addr`` (its slab's pages were taken
+    away): what is there now is not the slab's, and nothing written there reaches it."""
+    return _guard is not None and _guard.guard_lost(addr)
+
+
+def rearm_guard() -> None:
+    """Install the SIGBUS handler again if another replaced it since a range was guarded
+    (``faulthandler.enable()`` called later would otherwise see every slab fault first)."""
+    if _guard is not None:
+        _guard.arm_guard()

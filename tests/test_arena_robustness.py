@@ -1,5 +1,6 @@
 """Arena slabs across owners and hosts: a slab that fails to adopt is let go, other owners' slabs
-gc removed are let go, and hosts whose names share a long prefix keep to their own slabs."""
+gc removed are let go, hosts whose names share a long prefix keep to their own slabs, and slabs
+that lost pages or do not fit are dropped or refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
 from gds_kv_connector import arena as arena_mod
 from gds_kv_connector import native
 from gds_kv_connector.arena import SlotArena, slab_host_is_this
-from gds_kv_connector.block_io import save_blocks
+from gds_kv_connector.block_io import LoadFailure, save_blocks
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.pool import BlockPool
 from gds_kv_connector.pool_format import ZERO_KEY
@@ -359,3 +360,41 @@ def test_loads_never_sweep_and_the_grace_outlasts_a_load_s_deadline(shm_root, en
     c = arena_mod.start_arena(BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True), engine, Settings.load_from())
     assert c.release_grace_s == 600
     c.close()
+
+
+# -- slabs truncated or not backed (test_arena_sigbus.py runs the ones that could fault) -----------
+def test_a_slab_truncated_and_extended_again_is_dropped_unlinked_and_replaced(shm_root, engine):
+    """Its size is back but its pages are new (those registered with CUDA would be the old ones):
+    its blocks become misses, and the owner makes a new slab in its place."""
+    a = _pool(shm_root, engine, 2)
+    keys = _keys(2)
+    _save(a, engine, keys, 6)
+    (name,) = a.arena._slabs
+    path = os.path.join(a.arena.dir, name)
+    size = os.path.getsize(path)
+    os.truncate(path, 0)
+    os.truncate(path, size)  # no page is missing, so nothing can fault: safe in this process
+    with pytest.raises(LoadFailure):
+        _load(a, engine, keys[:1])
+    a.arena._builder.join()  # the replacement
+    assert a.arena.stats["slabs_dropped"] == 1 and not os.path.exists(path)
+    assert a.arena.owned_slots == 2 and len(os.listdir(a.arena.dir)) == 1
+    d = _save(a, engine, _keys(2, b"again"), 7)
+    assert torch.equal(_load(a, engine, _keys(2, b"again")), d)
+    a.arena.close()
+
+
+def test_a_start_that_does_not_fit_fails_in_one_line_and_lets_go_of_the_slabs_it_claimed(shm_root, engine, mapped):
+    a = _pool(shm_root, engine, 2, mapped=mapped)
+    a.arena.close()
+    (dead,) = (os.path.join(a.arena.dir, n) for n in os.listdir(a.arena.dir))
+    pool = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
+    st = os.statvfs(shm_root)
+    too_big = st.f_bavail * st.f_frsize + 4 * pool.file_size  # more than the dead slab's 2 slots make up
+    pool.arena = SlotArena(pool, engine, too_big, 2 * pool.file_size, 0.0, mapped=mapped)
+    with pytest.raises(arena_mod.ArenaError, match="does not fit") as err:
+        pool.arena.start(background=False)
+    assert "\n" not in str(err.value)
+    assert _lock_is_free(dead) and _open_files_named(dead) == 0 and os.listdir(a.arena.dir) == [os.path.basename(dead)]
+    pool.arena.close()
+

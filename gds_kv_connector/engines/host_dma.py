@@ -6,6 +6,12 @@ whose rows are the payloads and whose pitches skip the 4 KiB slot headers.  On t
 that moved 256 KiB blocks at 55 GB/s against 34-37 GB/s with one copy call per block
 (profiling/results/shm-probe/).  Runs are split over a few streams per thread so both
 directions keep more than one DMA in flight.  CuPy is imported when the first copy is made.
+
+These copies are the GPU's DMA into pages that ``cudaHostRegister`` pinned, so they never fault,
+not even when another process truncates a slab under its mapping (the pinned pages outlive the
+file's): unlike CPU accesses to a mapping they need no SIGBUS guard, and what a truncation does to
+their bytes is caught by the arena's checks of the slab before a batch and of the slot headers
+after it (arena.py).
 """
 
 from __future__ import annotations
