@@ -5,6 +5,11 @@ process runs :func:`~gds_kv_connector.eviction.evict_pool` over all roots when a
 has been written since the last run, or every ``check_interval_s`` regardless (other owners
 and other tenants of the filesystem fill it too).  Across processes the eviction lock makes
 the run a no-op for all but one owner at a time.
+
+Its grace is at least the owner's index window (:func:`evictor_grace_s`): an owner promises a
+block its index still trusts without looking at the file, and the evictor must not have removed
+it.  At its start the guard marks this process as a writer of the pool and removes the temporary
+files dead writers of this host left (:mod:`.atomic_file`), at once rather than once they are old.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from .eviction import EvictionReport, HeaderCache, evict_pool
+from .atomic_file import WriterMark
+from .eviction import EvictionReport, HeaderCache, evict_pool, remove_dead_writers_tmp
+from .pool_scan import owners_dir
 from .recency import RecencyIndex, RecencyLog
 from .settings import Settings
 from .stats import Stats
@@ -27,17 +34,29 @@ CHECK_INTERVAL_S = 60.0
 CLOSE_WAIT_S = 10.0  # how long shutdown waits for an eviction run in progress
 SLICE_FRACTION = 0.05  # of the quota written since the last run triggers the next one
 MIN_FREE_SLICE_FRACTION = 0.25  # of min_free_bytes, when there is no quota
+CLOCK_SLACK_S = 2.0  # how far two nodes' clocks may differ: an index's window is timed on its owner's
+
+
+def evictor_grace_s(grace_s: float, index_ttl_s: float) -> float:
+    """The grace an owner's evictor keeps accesses and publications for: ``grace_s``, and never less
+    than the owner's index may promise a block without looking at its file (``index_ttl_s``, from
+    the lookup or publication, which precedes the promise's access record) plus
+    :data:`CLOCK_SLACK_S`, since any owner's evictor reads that record by its own clock.  Without an
+    index (TTL 0) every lookup looks: nothing to cover.  Settings refuse a grace below the TTL at
+    start-up; this keeps an evictor made without them from removing what its index still promises."""
+    return max(grace_s, index_ttl_s + CLOCK_SLACK_S) if index_ttl_s > 0 else grace_s
 
 
 class CapacityGuard:
     """Per-process trigger for eviction; disabled (``enabled`` False) without quota or min_free."""
 
     def __init__(self, roots: Sequence[str], *, quota_bytes: int, low_watermark: float, min_free_bytes: int,
-                 grace_s: float, recency: RecencyLog | None = None, stats: Stats | None = None,
-                 check_interval_s: float = CHECK_INTERVAL_S) -> None:
+                 grace_s: float, index_ttl_s: float = 0.0, recency: RecencyLog | None = None,
+                 stats: Stats | None = None, check_interval_s: float = CHECK_INTERVAL_S) -> None:
+        """``index_ttl_s``: how long this process's pool index trusts a lookup (0: no index)."""
         self.roots = tuple(roots)
         self.quota_bytes, self.low_watermark = quota_bytes, low_watermark
-        self.min_free_bytes, self.grace_s = min_free_bytes, grace_s
+        self.min_free_bytes, self.grace_s = min_free_bytes, evictor_grace_s(grace_s, index_ttl_s)
         self.enabled = bool(quota_bytes or min_free_bytes)
         self.slice_bytes = max(1, int(quota_bytes * SLICE_FRACTION if quota_bytes
                                       else min_free_bytes * MIN_FREE_SLICE_FRACTION))
@@ -59,6 +78,8 @@ class CapacityGuard:
         # when eviction runs), they are the only record of the blocks it has just promised
         self._indexes = [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i))
                          for i, r in enumerate(self.roots)]
+        self._mark = WriterMark([owners_dir(r) for r in self.roots])
+        self._remove_dead_writers_tmp()
         self._thread: threading.Thread | None = None
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name="gdskv-evict", daemon=True)
@@ -69,7 +90,7 @@ class CapacityGuard:
                       stats: Stats | None = None) -> "CapacityGuard":
         return cls(settings.roots, quota_bytes=settings.quota_bytes, low_watermark=settings.low_watermark,
                    min_free_bytes=settings.min_free_bytes, grace_s=settings.evict_grace_s,
-                   recency=recency, stats=stats)
+                   index_ttl_s=settings.index_ttl_s, recency=recency, stats=stats)
 
     def note_saved(self, nbytes: int) -> None:
         """Count bytes just published; wakes the evictor once a slice of the quota is written.
@@ -102,6 +123,15 @@ class CapacityGuard:
             if self._thread.is_alive():
                 log.warning("gds-kv: an eviction run is still going after %.0f s; shutdown does not wait for it",
                             timeout)
+        self._mark.close()
+
+    def _remove_dead_writers_tmp(self) -> None:
+        """Start-up clean-up, which must never stop a start: a root it cannot list keeps its files."""
+        for root in self.roots:
+            try:
+                remove_dead_writers_tmp(root)
+            except OSError as exc:
+                log.warning("pool %s: temporary files of dead writers not removed: %s", root, exc)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -7,9 +7,18 @@ Rules, and why:
   eviction and a busy one never makes another owner's save path wait.
 * Least recently used first, where recency is the newest of publication (header ``created_ns``
   or mtime) and the last access any owner logged (:mod:`.recency`).
-* Nothing accessed within ``grace_s`` is removed: loaders touch keys when they promise them,
-  which is what keeps a promised block on disk until it is pinned (an open descriptor then
-  keeps the bytes readable even after unlink).
+* Nothing accessed within ``grace_s`` is removed, by any remover: loaders touch keys when they
+  promise them (:meth:`~.recency.RecencyLog.promise`, written at once), which is what keeps a
+  promised block on disk until it is pinned (an open descriptor then keeps the bytes readable
+  even after unlink).  The connector's evictor, ``gds-kv gc``'s quota step and its max-age step
+  (:func:`expire_pool`: the age decides for publications, never against an access within the
+  grace) and their dry runs all plan by this rule.  The connector's evictor takes a grace of at
+  least its index's trust window (:func:`~.capacity.evictor_grace_s`): an owner promises from its
+  index without looking at the file.
+* A promise written after a run read the logs still counts: the run reads them again, at most
+  :data:`RECHECK_S` apart, while it unlinks.  Left unprotected are a promise written within that
+  interval before its block's unlink, and one its owner could not write (a full disk), which only
+  that owner's own evictor sees (:meth:`~.recency.RecencyLog.unwritten`).
 * Tails before heads: prefix matching stops at the first missing block, so a block whose child
   is still present is only removed after that child, and a parent is as recent as its most
   recent descendant.  Evicting a head first would orphan the whole chain behind it.
@@ -46,12 +55,14 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .pool import _HOST, _pid_alive, _tmp_is_stale
+from .atomic_file import TMP_MARK, WRITER_SUFFIX, dead_writers, mark_held, tmp_writer
+from .pool import _HOST, HOST_TAG, _pid_alive, _tmp_is_stale
 from .pool_format import ZERO_KEY, BlockHeader, FormatError, is_ref_size
-from .pool_scan import (BadReference, BlockFile, PoolScan, RefFile, layout_dir, open_regular, owners_dir,
-                        quarantine_dir, quarantined_at_ns, read_published, scan_pool)
+from .pool_scan import (BadReference, BlockFile, PoolScan, RefFile, fingerprint_dirs, layout_dir, open_regular,
+                        owners_dir, quarantine_dir, quarantined_at_ns, read_published, scan_pool)
 from .recency import RecencyIndex, fold_stale_logs
 from .retired_owners import fold_retired_owners
+from .settings import SPECS
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,8 @@ LOG_FOLD_AGE_S = 3_600.0  # access logs idle this long are folded into the archi
 OWNER_STATS_KEEP_S = 7 * 86_400.0
 OWNER_TMP_KEEP_S = 3_600.0
 FUTURE_TOLERANCE_NS = 86_400 * 10**9  # the bound recency.merge_records puts on access records too
+RECHECK_S = 0.05  # how often a run reads the access logs again while it unlinks
+DEFAULT_GRACE_S = next(spec.default for spec in SPECS if spec.name == "evict_grace_s")
 _FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 #: header facts of one published file: path -> (identity, created_ns, parent key); the identity is
@@ -86,13 +99,14 @@ class EvictionReport:
     target_bytes: int = 0  # bytes this run tried to free
     evicted_blocks: int = 0
     evicted_bytes: int = 0
-    protected_blocks: int = 0  # blocks inside the grace window (never evicted)
+    protected_blocks: int = 0  # blocks inside the grace window, or promised while the run unlinked
     failed: int = 0  # unlink refused (permissions) or the file was replaced meanwhile
     unreadable_headers: int = 0
     unreadable_entries: int = 0  # directories or entries the scan could not read: usage is a floor
     tmp_removed: int = 0
     quarantine_removed: int = 0
     logs_folded: int = 0
+    log_bytes_skipped: int = 0  # of access logs over the read cap (recency.MAX_READ_BYTES), not read
     duration_s: float = 0.0
 
     @property
@@ -218,6 +232,8 @@ class _Node:
     root: int = 0  # index of its root in the pool's roots
     above: int = 0  # bit i set: an ancestor old enough to evict lives in root i (several roots only)
     ref: bool = False  # an arena reference file: one name of a file linked under every key of a batch
+    accessed: int = 0  # ns of its newest logged access (a promise is one), clamped like recency
+    protected: bool = False  # within its run's age or grace: neither it nor its ancestors go
 
 
 def evict(root: str, quota_bytes: int, low_watermark: float, min_free_bytes: int, grace_s: float,
@@ -257,39 +273,43 @@ def evict_pool(roots: Sequence[str], quota_bytes: int, low_watermark: float, min
         report.reason = "+".join(reasons)
         return by_quota, by_space
 
-    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(grace_s * 1e9))
+    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(grace_s * 1e9), int(grace_s * 1e9))
 
 
-def expire(root: str, max_age_s: float, now: float | None = None, *, dry_run: bool = False,
-           header_cache: HeaderCache | None = None, recency: RecencyIndex | None = None) -> EvictionReport:
-    """Remove every block neither published nor accessed within ``max_age_s``.
+def expire(root: str, max_age_s: float, now: float | None = None, *, grace_s: float = DEFAULT_GRACE_S,
+           dry_run: bool = False, header_cache: HeaderCache | None = None,
+           recency: RecencyIndex | None = None) -> EvictionReport:
+    """Remove every block neither published nor accessed within ``max_age_s``, nor accessed within
+    ``grace_s``: an access within the grace may be a promise, whose load has not begun.
 
     A parent is as recent as its newest descendant, so a chain expires from its tail and an
     old head that still leads to a fresh block stays.  ``root`` is the pool's only root; a pool
     of several roots goes through :func:`expire_pool`.
     """
-    return expire_pool((root,), max_age_s, now, dry_run=dry_run, header_cache=header_cache,
+    return expire_pool((root,), max_age_s, now, grace_s=grace_s, dry_run=dry_run, header_cache=header_cache,
                        recency=None if recency is None else (recency,))[0]
 
 
-def expire_pool(roots: Sequence[str], max_age_s: float, now: float | None = None, *, dry_run: bool = False,
-                header_cache: HeaderCache | None = None,
+def expire_pool(roots: Sequence[str], max_age_s: float, now: float | None = None, *,
+                grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False, header_cache: HeaderCache | None = None,
                 recency: Sequence[RecencyIndex] | None = None) -> list[EvictionReport]:
     """:func:`expire` every root of one pool in one run (arguments as for :func:`evict_pool`)."""
     def plan(report: EvictionReport, free: int) -> tuple[int, int]:
         report.reason = "age"
         return report.scanned_bytes, 0
 
-    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1)
+    return _run(tuple(roots), now, dry_run, header_cache, recency, plan, int(max_age_s * 1e9) + 1,
+                int(grace_s * 1e9))
 
 
 def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache: HeaderCache | None,
          recency: Sequence[RecencyIndex] | None, plan: Callable[[EvictionReport, int], tuple[int, int]],
-         min_age_ns: int) -> list[EvictionReport]:
+         min_age_ns: int, hold_ns: int) -> list[EvictionReport]:
     """Lock every root, scan, remove what ``plan`` asks of each root (blocks at least
-    ``min_age_ns`` old), tidy up.  ``plan`` gives a root's bytes to free for its own budget and
-    for its filesystem's free space; roots on one filesystem share the latter (each takes a part
-    in proportion to its usage), since what one frees, the others' filesystem gains.
+    ``min_age_ns`` old and not accessed within ``hold_ns``), tidy up.  ``plan`` gives a root's
+    bytes to free for its own budget and for its filesystem's free space; roots on one filesystem
+    share the latter (each takes a part in proportion to its usage), since what one frees, the
+    others' filesystem gains.
 
     The locks are tried without waiting, in the pool's order of roots, and the run is skipped
     unless it holds all of them: never waiting means no deadlock, and the same order for every
@@ -334,17 +354,20 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             now_ns = int(now * 1e9)
             nodes = _graph(len(roots), scans, header_cache, reports, now_ns, blind)
             indexes = recency or [RecencyIndex(r) for r in roots]
+            skipped = [index.skipped_bytes for index in indexes]
             _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
             if not blind:  # a long-lived index forgets blocks gone before this scan
                 for i, scan in scans.items():
                     indexes[i].retain((b.key for b in scan.blocks), now_ns)
-            newest_ns = now_ns - min_age_ns
+            newest_ns, held_ns = now_ns - min_age_ns, now_ns - hold_ns
             for n in nodes.values():
-                if n.recency > newest_ns:
-                    reports[n.root].protected_blocks += 1
+                n.protected = n.recency > newest_ns or n.accessed > held_ns
+                reports[n.root].protected_blocks += n.protected
             if len(roots) > 1:
-                _mark_ancestor_roots(nodes, newest_ns)
-            removed = _peel(nodes, reports, newest_ns, dry_run, ref_budget)
+                _mark_ancestor_roots(nodes)
+            removed = _peel(nodes, reports, ref_budget, None if dry_run else _Fresh(indexes, held_ns, now_ns))
+            for i in scans:
+                reports[i].log_bytes_skipped = indexes[i].skipped_bytes - skipped[i]
         if header_cache is not None:
             kept = {b.path for scan in scans.values() for b in scan.blocks} - removed
             for path in set(header_cache) - kept:
@@ -582,8 +605,9 @@ def _apply_recency(nodes: dict[NodeId, _Node], access: list[dict[bytes, int]], n
     latest = now_ns + FUTURE_TOLERANCE_NS
     for n in nodes.values():
         t = access[n.root].get(n.block.key, 0)
-        if n.recency < t <= latest:
-            n.recency = min(t, now_ns)
+        if t <= latest:
+            n.accessed = min(t, now_ns)
+            n.recency = max(n.recency, n.accessed)
     waiting = {k: n.children for k, n in nodes.items()}
     ready = [n for n in nodes.values() if n.children == 0]
     while ready:
@@ -597,9 +621,9 @@ def _apply_recency(nodes: dict[NodeId, _Node], access: list[dict[bytes, int]], n
             ready.append(p)
 
 
-def _mark_ancestor_roots(nodes: dict[NodeId, _Node], newest_ns: int) -> None:
+def _mark_ancestor_roots(nodes: dict[NodeId, _Node]) -> None:
     """Set ``above``: the roots of the ancestors that removing a block could make evictable, those
-    up to the first one newer than ``newest_ns`` (recency only grows towards the head)."""
+    up to the first protected one (which never goes, so neither do those above it)."""
     above: dict[NodeId, int] = {}
     for start in nodes:
         walk: list[NodeId] = []
@@ -607,7 +631,7 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node], newest_ns: int) -> None:
         cur = start
         while cur not in above:
             p = nodes[cur].parent
-            if p is None or cur in on_walk or nodes[p].recency > newest_ns:
+            if p is None or cur in on_walk or nodes[p].protected:
                 above[cur] = 0  # a head, a cycle (garbage headers), or a protected parent
                 break
             walk.append(cur)
@@ -620,11 +644,11 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node], newest_ns: int) -> None:
         n.above = above[k]
 
 
-def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: int,
-          dry_run: bool, ref_budget: list[int]) -> set[str]:
+def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget: list[int],
+          fresh: "_Fresh | None") -> set[str]:
     """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
-    a parent becomes a leaf once all its children are gone, and nothing newer than ``newest_ns``
-    goes.
+    a parent becomes a leaf once all its children are gone, and nothing protected goes, nor what
+    ``fresh`` finds promised since the plan (without ``fresh``, a dry run: nothing is unlinked).
 
     A leaf in a root already within its target goes only when an ancestor of it lies in a root
     still short of its target: a chain's tail in one root is what keeps its head in another
@@ -638,10 +662,10 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
     heapq.heapify(heap)
     removed: set[str] = set()
     while heap and short:
-        _, recency, path, k = heapq.heappop(heap)
-        if recency > newest_ns:
-            continue  # protected, and so its ancestors stay: they never become leaves
+        _, _, path, k = heapq.heappop(heap)
         n = nodes[k]
+        if n.protected:
+            continue  # and so its ancestors stay: they never become leaves
         if not (short >> n.root) & 1 and not n.above & short:
             continue  # its root has room, and no root short of room waits for it to go
         if n.ref and reports[n.root].evicted_bytes >= ref_budget[n.root]:
@@ -649,7 +673,10 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
             # arena slot): references go towards a root's own budget only, never to free space
             continue
         report = reports[n.root]
-        if not (dry_run or _unlink_if_same(n.block, ref=n.ref)):
+        if fresh is not None and fresh.promised(n):
+            report.protected_blocks += 1
+            continue
+        if not (fresh is None or _unlink_if_same(n.block, ref=n.ref)):
             report.failed += 1
             continue
         removed.add(path)
@@ -668,6 +695,24 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], newest_ns: 
                 p = nodes[n.parent]
                 heapq.heappush(heap, (not p.dangling, p.recency, p.block.path, n.parent))
     return removed
+
+
+class _Fresh:
+    """Accesses logged since a run's plan read the logs, read again at most :data:`RECHECK_S` apart
+    while it unlinks: a block promised meanwhile (the plan took it for old) stays, and so do its
+    ancestors, which then never become leaves."""
+
+    def __init__(self, indexes: Sequence[RecencyIndex], held_ns: int, now_ns: int) -> None:
+        self._indexes, self._held_ns = indexes, held_ns
+        self._latest = now_ns + FUTURE_TOLERANCE_NS  # beyond it a time is a bad clock's, as in the plan
+        self._due = 0.0  # read at the first unlink: the plan read them before it planned
+
+    def promised(self, n: _Node) -> bool:
+        if time.monotonic() >= self._due:
+            for index in self._indexes:
+                index.refresh()
+            self._due = time.monotonic() + RECHECK_S
+        return self._held_ns < self._indexes[n.root].latest.get(n.block.key, 0) <= self._latest
 
 
 def _unlink_if_same(block: BlockFile, ref: bool = False) -> bool:
@@ -702,12 +747,14 @@ def _expire_quarantine(root: str, now: float) -> int:
 
 def _tidy_owners(root: str, now: float) -> None:
     """Drop stats files of owners gone for a week, their counters kept in the root's archive of
-    retired owners, and temporary files of crashed writers."""
+    retired owners, temporary files of crashed writers, and writer marks a week old that no process
+    holds (those of this host go at its next owner's start: :func:`remove_dead_writers_tmp`)."""
     d = owners_dir(root)
     retired: list[str] = []
     for name in _listdir(d):
         stats_file = name.endswith(".stats.json")
-        keep = OWNER_STATS_KEEP_S if stats_file else OWNER_TMP_KEEP_S if ".tmp-" in name else 0
+        mark = name.endswith(WRITER_SUFFIX)
+        keep = OWNER_STATS_KEEP_S if stats_file or mark else OWNER_TMP_KEEP_S if TMP_MARK in name else 0
         if not keep:
             continue
         path = os.path.join(d, name)
@@ -715,13 +762,62 @@ def _tidy_owners(root: str, now: float) -> None:
             if now - os.stat(path, follow_symlinks=False).st_mtime > keep:
                 if stats_file:
                     retired.append(name)
-                else:
+                elif not (mark and mark_held(path)):
                     _unlink_quiet(path)
         except FileNotFoundError:
             pass
     if retired:  # folded first: a file goes only once its counters are in the archive
         for name in fold_retired_owners(root, retired, now):
             _unlink_quiet(os.path.join(d, name))
+
+
+def remove_dead_writers_tmp(root: str) -> int:
+    """Remove the temporary files of this host's dead writers (:func:`~.atomic_file.dead_writers`)
+    from the key directories and the owners directory of ``root`` at once, then their marks;
+    returns the files removed.  A file changed after the marks were found unlocked stays: it is a
+    process's that took a dead writer's pid since.  The pool is listed only when a writer died."""
+    marks = owners_dir(root)
+    found_ns = time.time_ns()
+    dead = dead_writers(marks)
+    if not dead:
+        return 0
+    removed = sum(_unlink_quiet(path) for path in _tmp_files(root) if _left_by(path, dead, found_ns))
+    for paths in dead.values():
+        for path in paths:
+            _unlink_quiet(path)  # after its files: a start that dies between does the rest
+    log.info("pool %s: removed %d temporary file(s) of %d dead writer(s) of this host", root, removed, len(dead))
+    return removed
+
+
+def _tmp_files(root: str) -> list[str]:
+    """Temporary files of ``root``: in every key directory of every fingerprint, and in its owners
+    directory (:func:`~.atomic_file.atomic_write`'s).  A directory this process cannot read (another
+    user's, without the share group) is passed over, not raised: an owner's start must go on."""
+    dirs = [owners_dir(root)]
+    for fp in fingerprint_dirs(root):
+        fp_dir = os.path.join(layout_dir(root), fp)
+        dirs += (os.path.join(fp_dir, sub) for sub in _readable_names(fp_dir) if len(sub) == 2)
+    return [os.path.join(d, n) for d in dirs for n in _readable_names(d) if TMP_MARK in n]
+
+
+def _readable_names(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
+
+
+def _left_by(path: str, dead: dict[int, list[str]], found_ns: int) -> bool:
+    """Whether the temporary file at ``path`` names one of this host's ``dead`` writers and last
+    changed before ``found_ns``."""
+    writer = tmp_writer(os.path.basename(path))
+    if writer is None or writer[0] != HOST_TAG or writer[1] not in dead:
+        return False
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return max(st.st_mtime_ns, st.st_ctime_ns) < found_ns
 
 
 def _free_bytes(root: str) -> int:

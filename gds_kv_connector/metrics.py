@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .atomic_file import atomic_write
+from .atomic_file import atomic_write, warn_once
 from .pool import _HOST
 from .pool_scan import open_regular, owners_dir
 from .settings import MAX_SECONDS, SPECS
@@ -113,16 +113,18 @@ def live(entry: Mapping[str, Any], now_ns: int) -> bool:
 
 def load_json(path: str) -> Any:
     """A stats file's JSON (a regular file under the size bound), or None when it cannot be read:
-    shared with the retired-owners archive, which reads and checks the same way."""
+    shared with the retired-owners archive, which reads and checks the same way.  One byte past the
+    bound is read at most, and a file that has it is skipped and logged once."""
     try:
-        fd, st = open_regular(path)
+        fd, _ = open_regular(path)
     except OSError:
         return None
     try:
-        if st.st_size > MAX_STATS_FILE_BYTES:
-            return None
         raw = os.read(fd, MAX_STATS_FILE_BYTES + 1)
-        return json.loads(raw) if len(raw) <= MAX_STATS_FILE_BYTES else None
+        if len(raw) > MAX_STATS_FILE_BYTES:
+            warn_once(path, "%s is over %d bytes, not a file an owner wrote: skipped", path, MAX_STATS_FILE_BYTES)
+            return None
+        return json.loads(raw)
     except (OSError, ValueError, RecursionError):  # RecursionError: a file of nested brackets
         return None
     finally:

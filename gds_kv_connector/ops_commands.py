@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .checksum import checksum_bytes
-from .eviction import EvictionReport, evict_pool, expire_pool
+from .atomic_file import WriterMark
+from .eviction import DEFAULT_GRACE_S, EvictionReport, evict_pool, expire_pool
 from .metrics import live, read_owner_stats
 from .arena import SLAB_SUFFIX, SLABS_DIR, slab_of_tmp_name
 from .pool import PoolTrust, file_kind
@@ -267,14 +268,18 @@ def _stats_lines(result: dict[str, Any]) -> list[str]:
 
 # -- gc -------------------------------------------------------------------------------------------
 def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_age_s: float = 0.0, *,
-       min_free_bytes: int = 0, grace_s: float = 300.0, dry_run: bool = False,
+       min_free_bytes: int = 0, grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False,
        now: float | None = None, legacy_slabs: bool = False) -> dict[str, Any]:
     """Expire blocks older than ``max_age_s`` (0: keep), then evict every root of the pool down to
     its budget (``quota_bytes`` and ``min_free_bytes`` apply to each root, as in the connector).
 
+    Neither step, nor a dry run of it, takes a block accessed within ``grace_s`` (the owners' grace,
+    which ``gds-kv gc`` reads as they do): an access may be a promise whose load has not begun.
     A dry run's quota step plans on the whole pool, blocks the expiry step would remove
     included; it is corrected here (:func:`_after_expiry`) so that no block counts twice.  A dry
-    run removes and creates nothing (it takes no eviction lock).
+    run removes and creates nothing (it takes no eviction lock); a real one marks this process as a
+    writer of the pool while it runs (:class:`~.atomic_file.WriterMark`), since it replaces files in
+    the owners directory.
     """
     roots = pool_roots(root)
     for r in roots:
@@ -283,10 +288,34 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
         raise UsageError("quota, min_free, max_age and grace must not be negative")
     if not 0.0 < low_watermark < 1.0:
         raise UsageError(f"low_watermark must be between 0 and 1 (exclusive), got {low_watermark}")
-    steps: list[list[EvictionReport]] = []  # per step, one report per root
+    mark = None if dry_run else WriterMark([owners_dir(r) for r in roots])
+    try:
+        steps, estimated = _gc_steps(roots, quota_bytes, low_watermark, max_age_s, min_free_bytes, grace_s,
+                                     dry_run, now)
+        slabs = [remove_orphan_slabs(r, dry_run, now, legacy_slabs).to_dict() for r in roots]
+    finally:
+        if mark is not None:
+            mark.close()
+    results = [_gc_result([step[i] for step in steps], estimated[i], slabs[i], dry_run, quota_bytes)
+               for i in range(len(roots))]
+    totals = {"dry_run": dry_run, "skipped": any(r["skipped"] for r in results),
+              **{k: _sum(results, k) for k in slabs[0]},
+              "within_budget": all(r["within_budget"] for r in results),
+              "runs": [run for r in results for run in r["runs"]],
+              **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after",
+                                               "unreadable_entries")},
+              "quota_bytes": quota_bytes}
+    return _over_roots(results, totals)
+
+
+def _gc_steps(roots: list[str], quota_bytes: int, low_watermark: float, max_age_s: float, min_free_bytes: int,
+              grace_s: float, dry_run: bool, now: float | None) -> tuple[list[list[EvictionReport]], list[bool]]:
+    """gc's expiry and quota steps: per step one report per root, and per root whether its last
+    report's figures are derived (:func:`_after_expiry`)."""
+    steps: list[list[EvictionReport]] = []
     estimated = [False] * len(roots)
     if max_age_s:
-        steps.append(expire_pool(roots, max_age_s, now, dry_run=dry_run))
+        steps.append(expire_pool(roots, max_age_s, now, grace_s=grace_s, dry_run=dry_run))
     expired = steps[0] if steps else None
     if expired is None or not any(r.skipped for r in expired):
         if dry_run and expired is not None:
@@ -300,17 +329,7 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
         else:
             steps.append(evict_pool(roots, quota_bytes, low_watermark, min_free_bytes, grace_s, now,
                                     dry_run=dry_run))
-    slabs = [remove_orphan_slabs(r, dry_run, now, legacy_slabs).to_dict() for r in roots]
-    results = [_gc_result([step[i] for step in steps], estimated[i], slabs[i], dry_run, quota_bytes)
-               for i in range(len(roots))]
-    totals = {"dry_run": dry_run, "skipped": any(r["skipped"] for r in results),
-              **{k: _sum(results, k) for k in slabs[0]},
-              "within_budget": all(r["within_budget"] for r in results),
-              "runs": [run for r in results for run in r["runs"]],
-              **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after",
-                                               "unreadable_entries")},
-              "quota_bytes": quota_bytes}
-    return _over_roots(results, totals)
+    return steps, estimated
 
 
 def _gc_result(reports: list[EvictionReport], estimated: bool, slabs: dict[str, int], dry_run: bool,

@@ -21,6 +21,14 @@ Idle logs are folded into one archive by the evictor (:func:`fold_stale_logs`), 
 a log to a private ``<name>.fold-...`` before reading it; readers still merge such a file until
 the fold unlinks it, and an owner checks after each write that its file still has its name, so a
 record written while its log is being folded is written again to a new log instead of being lost.
+
+Every read of a log is bounded, since anyone who can write to the owners directory can plant a
+file there (a 2 GiB sparse ``.access`` file, a FIFO): a log is read :data:`READ_CHUNK_BYTES` at a
+time, so memory grows with the keys read, never with the file, and of a log larger than
+:data:`MAX_READ_BYTES` (a writer compacts its own at :data:`MAX_LOG_BYTES`) only the newest part
+is read; the rest is counted (:attr:`RecencyIndex.skipped_bytes`) and logged once per file.  A
+fold takes such a log like any idle one, so it goes.  Only regular files are opened, without
+blocking (:func:`~.pool_scan.open_regular`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 
-from .atomic_file import atomic_write, pwrite_all, still_named
+from .atomic_file import atomic_write, pwrite_all, still_named, warn_once
 from .pool import _HOST
 from .pool_scan import NotRegularFile, open_regular, owners_dir
 
@@ -49,6 +57,10 @@ ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
 ARCHIVE_KEEP_FRACTION = 0.75  # an archive is rewritten for dead keys alone once they are over a quarter
 FOLD_MARK = ".fold-"  # <owner>.access.fold-<host>-<pid>-<hex>: a log taken by a fold, still read
 MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
+# Of one log at one read, its newest part: 6.7M records, four times what a writer lets its log reach;
+# an archive of a pool with more keys loses the recency of those it wrote first (they look older).
+MAX_READ_BYTES = 4 * MAX_LOG_BYTES // RECORD.size * RECORD.size
+READ_CHUNK_BYTES = 100_000 * RECORD.size  # 4 MB: what one pread of a log brings into memory
 MAX_PENDING_BATCHES = 1 << 16  # touches kept unwritten (a failed write's, one per root they went to)
 _EPOCH_2020_NS = 1_577_836_800 * 10**9
 _FUTURE_SLACK_NS = 86_400 * 10**9
@@ -329,7 +341,7 @@ class _OwnerLog:
 
     def compact(self, target_bytes: int) -> None:
         """Rewrite the log as one record per key, newest keys first if still too large."""
-        latest = merge_records(_read_file(self.path))
+        latest = _merge_file(self.path, {})
         keep = sorted(latest.items(), key=lambda kv: kv[1], reverse=True)[:max(1, target_bytes // RECORD.size)]
         atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
         self.close()
@@ -359,11 +371,15 @@ class RecencyIndex:
     ``unwritten`` (an owner's :meth:`RecencyLog.unwritten` for this root) adds the records that
     owner could not write yet: its own evictor then keeps the blocks it promised while the disk is
     full.  They are accesses all the same, so they join :attr:`latest` like logged ones.
+
+    Appended bytes beyond :data:`MAX_READ_BYTES` since the last read are skipped, the oldest
+    first, and counted in :attr:`skipped_bytes`.
     """
 
     def __init__(self, root: str, unwritten: Callable[[], dict[bytes, int]] | None = None) -> None:
         self.dir = owners_dir(root)
         self.latest: dict[bytes, int] = {}
+        self.skipped_bytes = 0
         self._offsets: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes consumed)
         self._unwritten = unwritten
 
@@ -387,23 +403,22 @@ class RecencyIndex:
         for name in names:
             path = os.path.join(self.dir, name)
             try:
-                fd, _ = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
+                fd, st = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
             except OSError:
                 continue
             try:
-                st = os.fstat(fd)
                 ino, done = self._offsets.get(name, (st.st_ino, 0))
                 if ino != st.st_ino or st.st_size < done:
                     done = 0
-                usable = (st.st_size - done) // RECORD.size * RECORD.size
-                data = _pread_all(fd, usable, done) if usable else b""
-                data = data[:len(data) - len(data) % RECORD.size]
+                end = done + (st.st_size - done) // RECORD.size * RECORD.size
+                start = _capped_start(path, done, end)
+                self.skipped_bytes += start - done
+                done = _merge_range(fd, start, end, self.latest)
             except OSError:
                 continue
             finally:
                 os.close(fd)
-            self._offsets[name] = (st.st_ino, done + len(data))
-            merge_records(data, self.latest)
+            self._offsets[name] = (st.st_ino, done)
 
     def retain(self, live_keys: Iterable[bytes], scanned_ns: int) -> int:
         """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.
@@ -474,9 +489,9 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, 
     archive = os.path.join(d, ARCHIVE_NAME)
     if not taken and not os.path.exists(archive):
         return 0
-    latest = merge_records(_read_file(archive))
+    latest = _merge_file(archive, {})
     for path in taken:
-        merge_records(_read_file(path), latest)
+        _merge_file(path, latest)
     live = set(live_keys)
     kept = {k: t for k, t in latest.items() if k in live}
     if not taken and len(kept) >= ARCHIVE_KEEP_FRACTION * len(latest):
@@ -504,23 +519,45 @@ def _listdir(d: str) -> list[str]:
         return []
 
 
-def _read_file(path: str) -> bytes:
-    """The file's bytes; none where it is gone or not a regular file (a FIFO must not hang a fold)."""
+def _merge_file(path: str, into: dict[bytes, int]) -> dict[bytes, int]:
+    """Fold a log's records into ``into`` (its newest :data:`MAX_READ_BYTES`); none where it is gone
+    or not a regular file (a FIFO must not hang a fold)."""
     try:
-        fd, _ = open_regular(path)
+        fd, st = open_regular(path)
     except (FileNotFoundError, NotRegularFile):
-        return b""
-    with os.fdopen(fd, "rb") as fh:
-        return fh.read()
+        return into
+    try:
+        end = st.st_size - st.st_size % RECORD.size
+        _merge_range(fd, _capped_start(path, 0, end), end, into)
+    finally:
+        os.close(fd)
+    return into
 
 
-def _pread_all(fd: int, n: int, offset: int) -> bytes:
-    parts: list[bytes] = []
-    got = 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
+def _capped_start(path: str, start: int, end: int) -> int:
+    """Where to read records ``[start, end)`` of a log from: ``start``, or, for more than
+    :data:`MAX_READ_BYTES`, that much before ``end`` (the newest records are the last written);
+    the part passed over is logged once per file."""
+    skip = end - start - MAX_READ_BYTES
+    if skip <= 0:
+        return start
+    warn_once(path, "access log %s: %d bytes to read, over the %d-byte bound: the oldest %d are skipped (a log "
+              "is compacted by its writer long before; a file planted in the owners directory?)",
+              path, end - start, MAX_READ_BYTES, skip)
+    return start + skip
+
+
+def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int]) -> int:
+    """Fold the records in bytes ``[start, end)`` of ``fd`` into ``into``, :data:`READ_CHUNK_BYTES` at
+    a time; returns where reading stopped (``end``, or where the file now ends).  A chunk of zeros
+    (a hole, blocks zero-filled by a crash) holds no record and is not parsed."""
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, min(READ_CHUNK_BYTES, end - pos), pos)
+        usable = len(chunk) - len(chunk) % RECORD.size
+        if not usable:
             break
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
+        if chunk.count(0) != len(chunk):
+            merge_records(chunk, into)
+        pos += usable
+    return pos

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .atomic_file import atomic_write
+from .atomic_file import atomic_write, warn_once
 from .metrics import STATS_SUFFIX, good_int, good_name, load_json, read_owner_stats
 from .pool_scan import owners_dir
 
@@ -75,7 +75,7 @@ def fold_retired_owners(root: str, names: Sequence[str], now: float) -> list[str
     """
     archive = read_retired(root)
     if archive is None:
-        log.warning("%s cannot be read; stats files of retired owners are kept", retired_path(root))
+        warn_once(retired_path(root), "%s cannot be read; stats files of retired owners are kept", retired_path(root))
         return []
     now_ns = int(now * 1e9)
     folded = {stem: t for stem, t in archive.folded.items() if now_ns - t <= FOLDED_KEEP_S * 1e9}
