@@ -4,12 +4,9 @@ marker's skip rule."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +35,7 @@ def connector_pair(pool_env):
     bf16 KV cache of ``kv_shape`` and its scheduler, initialized; every worker made is shut down at
     the end of the test."""
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
-    from gds_kv_connector.reference import fake_llm_args
+    from gds_kv_connector.simulator import fake_llm_args
 
     made = []
 
@@ -59,7 +56,7 @@ def connector_pair(pool_env):
 @pytest.fixture(params=["c", "python"])
 def native_impl(request, monkeypatch):
     """Run a test with the C per-block loops (where the extension is built) and with their Python fallback."""
-    from gds_kv_connector import native
+    from gds_kv_connector.format import native
 
     if request.param == "c" and not native.BUILT:
         pytest.skip("the C extension is not built here")
@@ -72,7 +69,7 @@ def native_impl(request, monkeypatch):
 def rig(tmp_path):
     """``make(**env) -> GatedRig``: a transfer manager over a fresh pool whose file operations the
     test holds and releases (gated_ops), with TLLM_GDS_KV_* overrides; each closed at the end."""
-    from gated_ops import GatedRig
+    from tests.support.gated_ops import GatedRig
 
     made = []
 

@@ -1,6 +1,3 @@
-"""I/O engines: move block payloads between a KV pool tensor and open files."""
-
-from .base import IoEngine, TransferItem
-from .select import make_engine
-
-__all__ = ["IoEngine", "TransferItem", "make_engine"]
+"""I/O engines: move block payloads between a KV pool tensor and open files (``select.make_engine``
+picks one), and the system calls they and the store make (``fileops``).  Nothing is imported here,
+so the store's use of ``fileops`` does not load torch for commands that never move a payload."""

@@ -2,9 +2,9 @@
 
 A run of blocks that sit at a constant stride on both sides (consecutive KV block ids into
 consecutive slots: the common case for one request's prefix) becomes one ``cudaMemcpy2DAsync``
-whose rows are the payloads and whose pitches skip the 4 KiB slot headers.  On the H200 host
-that moved 256 KiB blocks at 55 GB/s against 34-37 GB/s with one copy call per block
-(profiling/results/shm-probe/).  Runs are split over a few streams per thread so both
+whose rows are the payloads and whose pitches skip the 4 KiB slot headers: that moves 256 KiB
+blocks at the PCIe limit, where one copy call per block reaches about two thirds of it (each call
+pays its launch).  Runs are split over a few streams per thread so both
 directions keep more than one DMA in flight.  CuPy is imported when the first copy is made.
 
 These copies are the GPU's DMA into pages that ``cudaHostRegister`` pinned, so they never fault,

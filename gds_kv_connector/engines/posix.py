@@ -1,7 +1,7 @@
 """POSIX engine: pread/pwrite on a thread pool into a host-memory KV pool.
 
 This is the engine of every CPU test and of host-memory pools; it moves bytes with plain
-system calls through :class:`~gds_kv_connector.fileops.FileOps` (so faults can be injected),
+system calls through :class:`~gds_kv_connector.engines.fileops.FileOps` (so faults can be injected),
 with the GIL released inside each call so ``io_threads`` transfers proceed in parallel.
 Reads, writes and a save's checksums have a pool of ``io_threads`` each: a save batch hands every
 block to its pool at once, and a load (or another save's checksums, which a fence may be waiting
@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from ..checksum import checksum_bytes
-from ..fileops import FileOps, read_exact, write_all
-from .base import InTime, IoEngine, TransferItem, ViewsRead, expired_check, header_io, run_all
+from gds_kv_connector.format.checksum import checksum_bytes
+from gds_kv_connector.engines.fileops import FileOps, read_exact, write_all
+from gds_kv_connector.engines.base import InTime, IoEngine, TransferItem, ViewsRead, expired_check, header_io, run_all
 
 
 class PosixEngine(IoEngine):

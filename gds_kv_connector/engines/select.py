@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fileops import FileOps
-from .base import IoEngine
+from gds_kv_connector.engines.fileops import FileOps
+from gds_kv_connector.engines.base import IoEngine
 
 
 def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps | None = None,
@@ -21,11 +21,11 @@ def make_engine(kind: str, device: torch.device, io_threads: int, ops: FileOps |
     if kind == "posix":
         if device.type != "cpu":
             raise ValueError(f"TLLM_GDS_KV_ENGINE=posix needs a host-memory KV pool, but it is on {device}")
-        from .posix import PosixEngine
+        from gds_kv_connector.engines.posix import PosixEngine
         return PosixEngine(io_threads=io_threads, ops=ops)
     if kind == "kvikio":
         if device.type != "cuda":
             raise ValueError(f"TLLM_GDS_KV_ENGINE=kvikio needs a CUDA KV pool, but it is on {device}")
-        from .kvikio_engine import KvikioEngine
+        from gds_kv_connector.engines.kvikio_engine import KvikioEngine
         return KvikioEngine(io_threads=io_threads, device=device, probe_dir=probe_dir, compat_io=compat_io)
     raise ValueError(f"unknown engine {kind!r}")

@@ -3,7 +3,7 @@
 Without nvidia-fs, KvikIO's POSIX path moves each block on its own: a new ``CuFile`` per file,
 a bounce-buffer copy per 4 MiB task, payload reads through the page cache.  This path does what
 the raw-disk ceiling does instead: the batch's payloads are copied device -> host in one
-coalesced DMA (55 GB/s on the H200 host) into page-aligned staging slots, then every file is
+coalesced DMA (at the PCIe limit) into page-aligned staging slots, then every file is
 written with one O_DIRECT ``pwrite`` on an I/O thread: its header page (``TransferItem.header``),
 payload and zero padding together, so a block costs the disk one write and, loading, one read.
 Items that sit end to end in one file (arena slots of a slab on disk, saved or loaded together)
@@ -30,17 +30,17 @@ from typing import Callable
 
 import torch
 
-from ..fileops import FileOps, write_all
-from ..pool_format import PAGE, align_up
-from .base import InTime, TransferItem, ViewsRead, expired_check, run_all
+from gds_kv_connector.engines.fileops import FileOps, write_all
+from gds_kv_connector.format.records import PAGE, align_up
+from gds_kv_connector.engines.base import InTime, TransferItem, ViewsRead, expired_check, run_all
 
 # Holds a merged save batch whole (transfers.MERGE_BYTES, 64 MiB of payload) with each block's header
 # page, for blocks of 32 KiB and more: its pages are then read in one copy and free before its writes.
 DEFAULT_STAGE_BYTES = 72 << 20
-# Largest single O_DIRECT I/O of coalesced slots: the H200 host's ext4 disk peaked with a few 4 MiB
-# streams (issue 7), and a bigger I/O would leave the other I/O threads idle.  On an H100 host, 8 MiB
-# (three 2.25 MiB slots a write) saved x0.82 of this, and cutting every run into even I/Os of at most
-# 4 MiB (10 MiB blocks as three) gained nothing (profiling/results/h100-aca1c25/, h100-a3a81e1/).
+# Largest single O_DIRECT I/O of coalesced slots: an NVMe disk reaches its rate with a few 4 MiB
+# streams in flight, and a bigger I/O would leave the other I/O threads idle.  8 MiB I/Os (three
+# 2.25 MiB slots a write) saved about a fifth slower, and cutting every run into even I/Os of at most
+# 4 MiB (10 MiB blocks as three) gained nothing.
 DEFAULT_MAX_IO_BYTES = 4 << 20
 # O_DIRECT is refused at open by filesystems without it; the plain descriptor is used then.
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -267,7 +267,7 @@ class StagedFileIo:
     def _read_one(self, job: _Job) -> BaseException | None:
         """Reads whole pages (O_DIRECT needs them); the file may end inside the last one, after
         the payload, but a file ending before the last payload's end is short (EOFError, as
-        block_io expects).  A short count is not the end: the rest is read on, through the plain
+        store.blocks expects).  A short count is not the end: the rest is read on, through the plain
         descriptor once the position is no longer page-aligned (O_DIRECT would refuse it), so
         only a read of nothing ends the file early."""
         buf = job.buf

@@ -11,16 +11,16 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from connector_helpers import serve  # noqa: E402
+from tests.support.connector_helpers import serve  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
-from gds_kv_connector.arena import SlotArena  # noqa: E402
-from gds_kv_connector.block_io import load_blocks, pin_blocks, save_blocks  # noqa: E402
-from gds_kv_connector.engines import make_engine  # noqa: E402
-from gds_kv_connector.pool import BlockPool  # noqa: E402
-from gds_kv_connector.pool_format import ZERO_KEY  # noqa: E402
-from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args  # noqa: E402
+from gds_kv_connector.store.arena import SlotArena  # noqa: E402
+from gds_kv_connector.store.blocks import load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.engines.select import make_engine  # noqa: E402
+from gds_kv_connector.store.pool import BlockPool  # noqa: E402
+from gds_kv_connector.format.records import ZERO_KEY  # noqa: E402
+from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args  # noqa: E402
 
-from test_gpu_connector import PROMPTS  # noqa: E402
+from tests.gpu.test_gpu_connector import PROMPTS  # noqa: E402
 
 FP = hashlib.sha256(b"gpu-arena").digest()
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from gds_kv_connector.checksum import checksum_bytes
+from gds_kv_connector.format.checksum import checksum_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def _cpu_sums(views) -> list[int]:
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_matches_cpu_definition(length):
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     n = 3 if length >= 4 << 20 else 17
     rows = _random((n, length), length)  # odd lengths put rows at every alignment
@@ -41,7 +41,7 @@ def test_matches_cpu_definition(length):
 
 
 def test_many_blocks_in_one_launch():
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     pool = _random((1024, 64 << 10), 1)
     views = [pool[i] for i in range(pool.shape[0])]
@@ -53,7 +53,7 @@ def test_many_blocks_in_one_launch():
 
 @pytest.mark.parametrize("misalign", [1, 4, 8, 12])
 def test_misaligned_views(misalign):
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     flat = _random((8 * 40_000 + 64,), misalign)
     views = [flat[misalign + i * 40_000: misalign + (i + 1) * 40_000] for i in range(8)]
@@ -62,7 +62,7 @@ def test_misaligned_views(misalign):
 
 
 def test_mixed_lengths_keep_order_and_bf16_views():
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     a, b = _random((3, 4096), 5), _random((2, 12_345), 6)
     bf = torch.randn(2, 4, 2, 1024, dtype=torch.bfloat16, device="cuda")
@@ -73,7 +73,7 @@ def test_mixed_lengths_keep_order_and_bf16_views():
 
 
 def test_caller_stream_and_empty_batch():
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     assert checksums_device([]) == []
     views = list(_random((4, 100_000), 9))
@@ -97,7 +97,7 @@ def test_caller_stream_and_empty_batch():
 
 def test_throughput_report(capsys):
     """Printed, not asserted: how far the checksum is from HBM speed for typical batches."""
-    from gds_kv_connector.gpu_checksum import checksums_device
+    from gds_kv_connector.engines.gpu_checksum import checksums_device
 
     lines = []
     for n_blocks, block in [(64, 1 << 20), (256, 256 << 10), (8, 4 << 20), (1, 10 << 20), (512, 2 << 20)]:

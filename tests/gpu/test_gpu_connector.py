@@ -8,11 +8,11 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from connector_helpers import rand_tokens, serve  # noqa: E402
+from tests.support.connector_helpers import rand_tokens, serve  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
-from gds_kv_connector.demo import run_phase, summarize  # noqa: E402
-from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args  # noqa: E402
-from gds_kv_connector.reference.workload import Workload  # noqa: E402
+from gds_kv_connector.cli.demo import run_phase, summarize  # noqa: E402
+from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args  # noqa: E402
+from gds_kv_connector.simulator.workload import Workload  # noqa: E402
 
 SHAPE = ModelShape(num_layers=4, kv_factor=2, block_elems=8192, tokens_per_block=16)
 PROMPTS = [rand_tokens(300, 1) + rand_tokens(40, 10 + i) for i in range(4)]
@@ -52,7 +52,8 @@ def test_wait_for_save_does_not_block_and_disk_matches_gpu(pool_env):
     pool = torch.zeros((32, 4, 2, 8192), dtype=torch.bfloat16, device="cuda")
     w.register_kv_caches(pool)
     s.wait_for_initialization()
-    from gds_kv_connector.metadata import GdsKvMetadata, SaveOp
+    from gds_kv_connector.connector.metadata import GdsKvMetadata
+    from gds_kv_connector.transfer.jobs import SaveOp
     key = os.urandom(32)
     stream = torch.cuda.current_stream()
     torch.cuda._sleep(int(2e9))  # ~1 s of GPU time queued before the "forward" writes the block

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from gds_kv_connector.engines import make_engine
-from gds_kv_connector.kv_layout import pool_from_tensor
-from gds_kv_connector.metadata import SaveOp
-from gds_kv_connector.pool import BlockPool
-from gds_kv_connector.pool_format import HEADER_SIZE, ZERO_KEY
-from gds_kv_connector.settings import Settings
-from gds_kv_connector.stats import Stats
-from gds_kv_connector.transfers import TransferManager
+from gds_kv_connector.engines.select import make_engine
+from gds_kv_connector.engines.kv_layout import pool_from_tensor
+from gds_kv_connector.transfer.jobs import SaveOp
+from gds_kv_connector.store.pool import BlockPool
+from gds_kv_connector.format.records import HEADER_SIZE, ZERO_KEY
+from gds_kv_connector.config.settings import Settings
+from gds_kv_connector.util.counters import Stats
+from gds_kv_connector.transfer.manager import TransferManager
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gds_kv_connector.checksum import checksum_bytes
+from gds_kv_connector.format.checksum import checksum_bytes
 from gds_kv_connector.engines.base import TransferItem
-from gds_kv_connector.pool_format import align_up
+from gds_kv_connector.format.records import align_up
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +28,7 @@ pytestmark = [
                        reason="needs a CUDA device, KvikIO and CuPy"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # tests/gpu/ is two below the root
 HEADER = 4096
 DATA_PATHS = ("gds", "cufile-compat", "kvikio-posix", "staged-direct")
 

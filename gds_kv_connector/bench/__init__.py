@@ -1,0 +1,1 @@
+"""``gds-kv bench``: ceilings, baselines and the connector end to end, with ratios."""

@@ -1,0 +1,1 @@
+"""``gds-kv``: the command line, the doctor and the demo."""

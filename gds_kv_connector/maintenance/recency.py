@@ -1,0 +1,563 @@
+"""Block recency shared by every owner of a pool, without atime.
+
+atime is unreliable on shared filesystems (noatime, relatime, NFS attribute caching) and a stat
+per lookup would be too slow anyway, so each owner appends ``(key, unix ns)`` records to its own
+log ``<root>/gdskv-v1/owners/<owner>.access``.  One writer per file means appends never
+interleave, even on NFS where O_APPEND is not atomic across clients; readers merge every log
+(newest time per key wins).  Records are fixed-size binary so a torn tail is detectable and
+nothing from the shared directory is ever unpickled.
+
+The executor thread only appends to an in-memory deque (:meth:`RecencyLog.touch`); a background
+thread writes batches.  A touch therefore protects a block from eviction only once flushed, so
+the flush interval must stay far below the eviction grace, and the touch of a block just promised
+to a request (:meth:`RecencyLog.promise`) wakes the flusher at once: until it is written, another
+owner's evictor may remove the block whose load is about to start.  A write that fails (the disk
+is full exactly when eviction runs) leaves its records queued, within :data:`MAX_PENDING_BATCHES`,
+and its root backs off: the flusher retries it once per interval, while the other roots' records
+are still written at once.  Other owners cannot see queued records, but this process's own
+evictor can (:meth:`RecencyLog.unwritten`, read by :class:`RecencyIndex`).
+
+Idle logs are folded into one archive by the evictor (:func:`fold_stale_logs`), which renames
+a log to a private ``<name>.fold-...`` before reading it; readers still merge such a file until
+the fold unlinks it, and an owner checks after each write that its file still has its name, so a
+record written while its log is being folded is written again to a new log instead of being lost.
+
+Every read of a log is bounded, since anyone who can write to the owners directory can plant a
+file there (a 2 GiB sparse ``.access`` file, a FIFO): a log is read :data:`READ_CHUNK_BYTES` at a
+time, so memory grows with the keys read, never with the file, and of a log larger than
+:data:`MAX_READ_BYTES` (a writer compacts its own at :data:`MAX_LOG_BYTES`) only the newest part
+is read; the rest is counted (:attr:`RecencyIndex.skipped_bytes`) and logged once per file.  A
+fold takes such a log like any idle one, so it goes.  Only regular files are opened, without
+blocking (:func:`~.pool_scan.open_regular`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+
+from gds_kv_connector.util.atomic_file import atomic_write, pwrite_all, still_named, warn_once
+from gds_kv_connector.util.host import HOST
+from gds_kv_connector.maintenance.pool_scan import NotRegularFile, open_regular, owners_dir
+
+log = logging.getLogger(__name__)
+
+RECORD = struct.Struct("<32sQ")
+ACCESS_SUFFIX = ".access"
+ARCHIVE_NAME = "archive" + ACCESS_SUFFIX
+ARCHIVE_KEEP_FRACTION = 0.75  # an archive is rewritten for dead keys alone once they are over a quarter
+FOLD_MARK = ".fold-"  # <owner>.access.fold-<host>-<pid>-<hex>: a log taken by a fold, still read
+MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
+# Of one log at one read, its newest part: 6.7M records, four times what a writer lets its log reach;
+# an archive of a pool with more keys loses the recency of those it wrote first (they look older).
+MAX_READ_BYTES = 4 * MAX_LOG_BYTES // RECORD.size * RECORD.size
+READ_CHUNK_BYTES = 100_000 * RECORD.size  # 4 MB: what one pread of a log brings into memory
+MAX_PENDING_BATCHES = 1 << 16  # touches kept unwritten (a failed write's, one per root they went to)
+_EPOCH_2020_NS = 1_577_836_800 * 10**9
+_FUTURE_SLACK_NS = 86_400 * 10**9
+_OPEN_LOCK = threading.RLock()  # for_process holds it while __init__ takes it again
+_OPEN_PATHS: set[str] = set()
+_SHARED: dict[tuple[str, ...], "RecencyLog"] = {}
+Batch = tuple[int, Sequence[bytes]]  # (unix ns, keys) of one touch
+
+
+def default_owner_id() -> str:
+    """``<host>-<pid>``: unique per live process across the nodes sharing a pool."""
+    return f"{HOST}-{os.getpid()}"
+
+
+class RecencyLog:
+    """This owner's access log, over one or several pool roots.
+
+    With several roots a key's records go to the root that holds the key (the same
+    ``key[0] % len(roots)`` rule as :class:`~gds_kv_connector.store.pool.BlockPool`), so each root's
+    evictor sees every touch of its blocks.
+    """
+
+    def __init__(self, roots: str | Sequence[str], owner_id: str | None = None, *,
+                 flush_interval_s: float = 1.0, max_log_bytes: int = MAX_LOG_BYTES) -> None:
+        self.roots = (roots,) if isinstance(roots, str) else tuple(roots)
+        if not self.roots:
+            raise ValueError("RecencyLog needs at least one pool root")
+        self.owner_id = owner_id or default_owner_id()
+        self.max_log_bytes = max_log_bytes
+        self.dropped = 0  # touches lost to a full backlog (failed writes stay queued until it is full)
+        self._pending_lock = threading.Lock()  # never held across I/O: the executor thread takes it
+        self._pending: deque[Batch] = deque()  # touches not yet taken by a flush
+        # per root, its part of touches a failed write gave back, oldest first; kept apart from
+        # _pending so that a flush while that root backs off adds to it without going through it
+        self._held: list[deque[Batch]] = [deque() for _ in self.roots]
+        self._held_n = 0  # batches in _held, for touch() to keep the bound in O(1)
+        self._writing: list[Iterable[Batch]] = []  # taken by the flush under way: still unwritten
+        self._failing = [False] * len(self.roots)  # the last write to that root's log failed
+        self._retry_at = [0.0] * len(self.roots)  # monotonic time before which the flusher leaves it
+        self._interval = flush_interval_s
+        self._logs = [_OwnerLog(os.path.join(owners_dir(r), self.owner_id + ACCESS_SUFFIX)) for r in self.roots]
+        with _OPEN_LOCK:
+            clash = [lg.path for lg in self._logs if lg.path in _OPEN_PATHS]
+            if clash:
+                raise ValueError(f"access log {clash[0]} is already open in this process; share one "
+                                 "RecencyLog (RecencyLog.for_process) instead of opening it twice")
+            _OPEN_PATHS.update(lg.path for lg in self._logs)
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # a promise is waiting to be written
+        self._thread: threading.Thread | None = None
+        if flush_interval_s > 0:
+            self._thread = threading.Thread(target=self._run, args=(flush_interval_s,),
+                                            name="gdskv-recency", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def for_process(cls, roots: str | Sequence[str]) -> "RecencyLog":
+        """The one log of this process for ``roots``, created on first use and flushed at exit.
+
+        The scheduler and the worker of one rank share a process; one writer per file is what
+        keeps the log's records aligned, so both must use this instead of constructing their own.
+        """
+        key = (roots,) if isinstance(roots, str) else tuple(roots)
+        with _OPEN_LOCK:
+            shared = _SHARED.get(key)
+            if shared is None:
+                shared = _SHARED[key] = cls(key)
+                atexit.register(shared.flush)
+            return shared
+
+    def touch(self, keys: Sequence[bytes], now_ns: int | None = None) -> None:
+        """Record an access to ``keys``; the sequence is kept as is, so do not mutate it later.
+
+        Only a deque append (under a lock that is never held across I/O), so it is safe on the
+        executor thread; if flushes fail for long enough the oldest batches are dropped rather
+        than letting memory grow.
+        """
+        if keys:
+            batch = (now_ns or time.time_ns(), keys)
+            with self._pending_lock:
+                if len(self._pending) + self._held_n >= MAX_PENDING_BATCHES:
+                    self._drop_oldest()
+                self._pending.append(batch)
+
+    def promise(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` for blocks just promised to a request, written by the flusher now rather
+        than within its interval (a set Event: the executor thread does no I/O)."""
+        self.touch(keys)
+        if self._thread is not None and not self._wake.is_set():
+            self._wake.set()
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last flush left records queued because a log could not be written."""
+        return any(self._failing)
+
+    def unwritten(self, root: int) -> dict[bytes, int]:
+        """Newest queued time per key of ``self.roots[root]`` not yet in its log.
+
+        While a disk is full no evictor reads this owner's promises from its logs; this process's
+        own evictor can still keep the promised blocks by adding these (:class:`RecencyIndex`).
+        A record leaves the queues only once written, so a caller that takes this before reading
+        the logs misses none.
+        """
+        with self._pending_lock:
+            queued = [*self._held[root], *self._pending, *chain.from_iterable(self._writing)]
+        n_roots = len(self.roots)
+        newest: dict[bytes, int] = {}
+        get = newest.get
+        for ts, keys in queued:
+            for key in keys:
+                if key[0] % n_roots == root and get(key, 0) < ts:
+                    newest[key] = ts
+        return newest
+
+    def flush(self) -> int:
+        """Write pending touches to every root, backing off or not; returns the records written.
+
+        A root whose write fails keeps its records queued for the next flush, not dropped: the
+        write fails when the disk is full, which is when eviction runs, and a lost promise would
+        let it remove the promised block.  Only the queue's bound drops records, oldest first.
+        """
+        return self._flush(backoff=False)
+
+    def _flush(self, backoff: bool) -> int:
+        """:meth:`flush`; with ``backoff``, a root whose write failed within the flush interval
+        only queues its new records, without a write: a retry writes a root's whole backlog, and
+        the flusher runs at every promise.  Its backlog is then neither copied nor packed, so a
+        promise costs the flusher its own records, whatever another root owes."""
+        with self._flush_lock:
+            with self._pending_lock:
+                if not self._pending and not self._held_n:
+                    return 0
+                batches, self._pending = self._pending, deque()
+                self._writing = [batches]
+            now = time.monotonic()
+            fresh = self._split(batches)
+            out: dict[int, list[Batch]] = {}
+            with self._pending_lock:
+                for i, new in enumerate(fresh):
+                    if backoff and self._failing[i] and now < self._retry_at[i]:
+                        self._held[i].extend(new)
+                        self._held_n += len(new)
+                    elif new or self._held[i]:
+                        out[i] = [*self._held[i], *new]
+                        self._held_n -= len(self._held[i])
+                        self._held[i].clear()
+                self._writing = list(out.values())
+                self._keep_bound()
+            written = 0
+            failed: list[int] = []
+            for i in sorted(out, key=self._failing.__getitem__):  # a retry may be slow: healthy roots first
+                owner_log, batches_i = self._logs[i], out[i]
+                records = [RECORD.pack(key, ts) for ts, keys in batches_i for key in keys]
+                try:
+                    owner_log.append(b"".join(records))
+                except OSError as exc:
+                    failed.append(i)
+                    self._retry_at[i] = time.monotonic() + self._interval
+                    if not self._failing[i]:  # once per failing spell, not once per flush
+                        log.warning("could not write access log %s (%s); its touches stay queued and "
+                                    "are retried once per flush interval", owner_log.path, exc)
+                    self._failing[i] = True
+                    continue
+                written += len(records)
+                if self._failing[i]:
+                    self._failing[i] = False
+                    log.info("access log %s is written again", owner_log.path)
+                if owner_log.size > self.max_log_bytes:
+                    try:
+                        owner_log.compact(self.max_log_bytes // 2)
+                    except OSError as exc:  # the records are written: only the size stays over
+                        log.warning("could not compact access log %s (%s)", owner_log.path, exc)
+            with self._pending_lock:
+                for i in failed:  # before any touch made meanwhile, and within the bound
+                    self._held[i].extendleft(reversed(out[i]))
+                    self._held_n += len(out[i])
+                self._writing = []
+                self._keep_bound()
+            return written
+
+    def _split(self, batches: deque[Batch]) -> list[Sequence[Batch]]:
+        """Each root's part of ``batches``, in their order."""
+        n_roots = len(self.roots)
+        if n_roots == 1:
+            return [batches]
+        parts: list[list[Batch]] = [[] for _ in self.roots]
+        for ts, keys in batches:
+            by_root: list[list[bytes]] = [[] for _ in self.roots]
+            for key in keys:
+                by_root[key[0] % n_roots].append(key)
+            for part, root_keys in zip(parts, by_root):
+                if root_keys:
+                    part.append((ts, root_keys))
+        return parts
+
+    def _keep_bound(self) -> None:
+        """Drop the oldest batches over :data:`MAX_PENDING_BATCHES` (``_pending_lock`` held)."""
+        while len(self._pending) + self._held_n > MAX_PENDING_BATCHES:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        """Drop the oldest queued batch (``_pending_lock`` held): a failing root's backlog, older
+        than any touch not yet taken by a flush, goes before the new touches of healthy roots."""
+        held = min((q for q in self._held if q), key=lambda q: q[0][0], default=None)
+        if held is not None:
+            self._held_n -= 1
+            self.dropped += len(held.popleft()[1])
+        else:
+            self.dropped += len(self._pending.popleft()[1])
+
+    def close(self) -> None:
+        """Stop the flusher and write what is pending; the log stays for other owners to read."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
+        with self._pending_lock:
+            lost = sum(len(keys) for _, keys in chain(self._pending, *self._held))
+            self._pending.clear()
+            for q in self._held:
+                q.clear()
+            self._held_n = 0
+            self.dropped += lost
+        if lost:
+            log.warning("access log of %s closed with %d touch(es) it could not write", self.owner_id, lost)
+        for owner_log in self._logs:
+            owner_log.close()
+        with _OPEN_LOCK:
+            _OPEN_PATHS.difference_update(lg.path for lg in self._logs)
+            for k in [k for k, v in _SHARED.items() if v is self]:
+                del _SHARED[k]
+
+    def _run(self, interval: float) -> None:
+        while True:
+            self._wake.wait(interval)
+            if self._stop.is_set():
+                return  # close() writes what is left
+            self._wake.clear()
+            try:
+                self._flush(backoff=True)
+            except Exception:  # noqa: BLE001 - the flusher must outlive one bad flush
+                log.exception("access log flush failed")
+
+
+class _OwnerLog:
+    """One append-only file with a single writer; positional writes make retries idempotent.
+
+    After each write it checks that the path still names its file: a fold renames an idle log
+    away before reading it, and a record that landed in the renamed file may have come after
+    the fold read it, so it is written again to a new log (a duplicate is harmless: readers keep
+    the newest time per key).  That costs a stat and an fstat per flush and root.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+        self.size = 0
+
+    def append(self, data: bytes) -> None:
+        for _ in range(3):
+            if self.fd < 0:
+                self._open()
+            try:
+                pwrite_all(self.fd, data, self.size)
+            except OSError as exc:
+                if exc.errno != errno.ESTALE:
+                    raise
+                self.close()  # an evictor folded this log away on another node: start a new one
+                continue
+            self.size += len(data)
+            if still_named(self.path, self.fd):
+                return
+            self.close()  # folded (renamed or unlinked) under us: write it again to a new log
+        raise OSError(errno.ESTALE, f"access log {self.path} keeps being replaced")
+
+    def compact(self, target_bytes: int) -> None:
+        """Rewrite the log as one record per key, newest keys first if still too large."""
+        latest = _merge_file(self.path, {})
+        keep = sorted(latest.items(), key=lambda kv: kv[1], reverse=True)[:max(1, target_bytes // RECORD.size)]
+        atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _open(self) -> None:
+        self.close()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.fd, st = open_regular(self.path, os.O_WRONLY | os.O_CREAT)  # a FIFO there fails, never blocks
+        size = st.st_size
+        self.size = size - size % RECORD.size  # overwrite a torn record left by a crash
+
+
+class RecencyIndex:
+    """Merged recency of every owner's log in one root, refreshed incrementally.
+
+    Keeps each log's identity and read offset so a refresh reads only appended bytes; a log
+    replaced by compaction (new inode, or shorter) is read again from the start.  A log gone from
+    the directory is forgotten at the next refresh, and the keys of blocks gone from the pool
+    when the evictor passes its scan to :meth:`retain`, so a long-lived index stays as large as
+    the pool and its logs, not as everything the pool ever held.
+
+    ``unwritten`` (an owner's :meth:`RecencyLog.unwritten` for this root) adds the records that
+    owner could not write yet: its own evictor then keeps the blocks it promised while the disk is
+    full.  They are accesses all the same, so they join :attr:`latest` like logged ones.
+
+    Appended bytes beyond :data:`MAX_READ_BYTES` since the last read are skipped, the oldest
+    first, and counted in :attr:`skipped_bytes`.
+    """
+
+    def __init__(self, root: str, unwritten: Callable[[], dict[bytes, int]] | None = None) -> None:
+        self.dir = owners_dir(root)
+        self.latest: dict[bytes, int] = {}
+        self.skipped_bytes = 0
+        self._offsets: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes consumed)
+        self._unwritten = unwritten
+
+    def refresh(self) -> dict[bytes, int]:
+        queued = self._unwritten() if self._unwritten is not None else {}  # first: see unwritten()
+        self._read_logs()
+        latest = self.latest
+        for key, ts in queued.items():
+            if latest.get(key, 0) < ts:
+                latest[key] = ts
+        return latest
+
+    def _read_logs(self) -> None:
+        try:
+            names = [n for n in os.listdir(self.dir) if _is_log(n)]
+        except FileNotFoundError:
+            self._offsets.clear()
+            return
+        for gone in self._offsets.keys() - set(names):
+            del self._offsets[gone]
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                fd, st = open_regular(path)  # a FIFO planted in owners/ must not hang the evictor
+            except OSError:
+                continue
+            try:
+                ino, done = self._offsets.get(name, (st.st_ino, 0))
+                if ino != st.st_ino or st.st_size < done:
+                    done = 0
+                end = done + (st.st_size - done) // RECORD.size * RECORD.size
+                start = _capped_start(path, done, end)
+                self.skipped_bytes += start - done
+                done = _merge_range(fd, start, end, self.latest)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            self._offsets[name] = (st.st_ino, done)
+
+    def retain(self, live_keys: Iterable[bytes], scanned_ns: int) -> int:
+        """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.
+
+        A key touched at or after ``scanned_ns`` (when that scan began) stays, since its block
+        may have been published after the scan; it goes at the next call if it is still absent.
+        Forgetting is safe otherwise: a block saved again under a forgotten key is newer than any
+        touch forgotten (its mtime is its publication), and records already consumed are not read
+        again, so a forgotten key does not come back.
+        """
+        live = live_keys if isinstance(live_keys, (set, frozenset, dict)) else set(live_keys)
+        before = len(self.latest)
+        # a new dict: deleting in place would keep the table at its largest size
+        self.latest = {k: t for k, t in self.latest.items() if k in live or t >= scanned_ns}
+        return before - len(self.latest)
+
+
+def load_recency(root: str) -> dict[bytes, int]:
+    """Newest access time (unix ns) per key over every owner's log in ``root``."""
+    return RecencyIndex(root).refresh()
+
+
+def merge_records(data: bytes, into: dict[bytes, int] | None = None) -> dict[bytes, int]:
+    """Fold records into ``into``, ignoring a partial trailing record and impossible times.
+
+    A time before 2020 or more than a day ahead is garbage (zero-filled blocks after a crash,
+    a foreign file), not an access, and must not make a block look fresh forever.
+    """
+    latest = {} if into is None else into
+    hi = time.time_ns() + _FUTURE_SLACK_NS
+    usable = len(data) - len(data) % RECORD.size
+    get = latest.get
+    for key, ts in RECORD.iter_unpack(memoryview(data)[:usable]):
+        if _EPOCH_2020_NS <= ts <= hi and get(key, 0) < ts:
+            latest[key] = ts
+    return latest
+
+
+def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, now: float | None = None) -> int:
+    """Merge logs untouched for ``older_than_s`` into one archive log, keeping only live keys.
+
+    Every process start creates a new log, so without this the owners directory grows for
+    ever.  Must run under the eviction lock (one archiver at a time).  A stale log is renamed
+    to a private name before it is read: an idle but live owner that writes to it meanwhile
+    sees on that write that its file lost its name and writes the records again to a new log,
+    so nothing it writes after the read is unlinked with it.  Readers merge the private file
+    too until it is unlinked, and a fold that dies or fails (a full disk) before the unlink
+    leaves it for the next fold to take.  Returns the number of logs folded.
+    """
+    d = owners_dir(root)
+    now = time.time() if now is None else now
+    taken: list[str] = []
+    for name in _listdir(d):
+        path = os.path.join(d, name)
+        if ACCESS_SUFFIX + FOLD_MARK in name:
+            taken.append(path)  # left by a fold that died before its unlink
+            continue
+        if not name.endswith(ACCESS_SUFFIX) or name == ARCHIVE_NAME:
+            continue
+        private = f"{path}{FOLD_MARK}{HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            if now - os.stat(path, follow_symlinks=False).st_mtime <= older_than_s:
+                continue
+            os.rename(path, private)
+        except FileNotFoundError:
+            continue
+        taken.append(private)
+    archive = os.path.join(d, ARCHIVE_NAME)
+    if not taken and not os.path.exists(archive):
+        return 0
+    latest = _merge_file(archive, {})
+    for path in taken:
+        _merge_file(path, latest)
+    live = set(live_keys)
+    kept = {k: t for k, t in latest.items() if k in live}
+    if not taken and len(kept) >= ARCHIVE_KEEP_FRACTION * len(latest):
+        # Nothing folded and few keys to drop: a rewrite is a new inode that every owner's index
+        # then reads whole again, on every eviction run.
+        return 0
+    atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in kept.items()))
+    for path in taken:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return len(taken)
+
+
+def _is_log(name: str) -> bool:
+    """An owner's log, the archive, or a log taken by a fold that has not unlinked it yet."""
+    return name.endswith(ACCESS_SUFFIX) or ACCESS_SUFFIX + FOLD_MARK in name
+
+
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)
+    except FileNotFoundError:
+        return []
+
+
+def _merge_file(path: str, into: dict[bytes, int]) -> dict[bytes, int]:
+    """Fold a log's records into ``into`` (its newest :data:`MAX_READ_BYTES`); none where it is gone
+    or not a regular file (a FIFO must not hang a fold)."""
+    try:
+        fd, st = open_regular(path)
+    except (FileNotFoundError, NotRegularFile):
+        return into
+    try:
+        end = st.st_size - st.st_size % RECORD.size
+        _merge_range(fd, _capped_start(path, 0, end), end, into)
+    finally:
+        os.close(fd)
+    return into
+
+
+def _capped_start(path: str, start: int, end: int) -> int:
+    """Where to read records ``[start, end)`` of a log from: ``start``, or, for more than
+    :data:`MAX_READ_BYTES`, that much before ``end`` (the newest records are the last written);
+    the part passed over is logged once per file."""
+    skip = end - start - MAX_READ_BYTES
+    if skip <= 0:
+        return start
+    warn_once(path, "access log %s: %d bytes to read, over the %d-byte bound: the oldest %d are skipped (a log "
+              "is compacted by its writer long before; a file planted in the owners directory?)",
+              path, end - start, MAX_READ_BYTES, skip)
+    return start + skip
+
+
+def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int]) -> int:
+    """Fold the records in bytes ``[start, end)`` of ``fd`` into ``into``, :data:`READ_CHUNK_BYTES` at
+    a time; returns where reading stopped (``end``, or where the file now ends).  A chunk of zeros
+    (a hole, blocks zero-filled by a crash) holds no record and is not parsed."""
+    pos = start
+    while pos < end:
+        chunk = os.pread(fd, min(READ_CHUNK_BYTES, end - pos), pos)
+        usable = len(chunk) - len(chunk) % RECORD.size
+        if not usable:
+            break
+        if chunk.count(0) != len(chunk):
+            merge_records(chunk, into)
+        pos += usable
+    return pos

@@ -1,0 +1,1 @@
+"""Worker-side transfers: jobs batched onto transfer threads, polled, fenced and cancelled."""

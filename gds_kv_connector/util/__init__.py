@@ -1,0 +1,1 @@
+"""Leaf helpers every layer may use: host identity, files replaced whole, mounts, counters."""
