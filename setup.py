@@ -2,7 +2,7 @@
 else is declared in pyproject.toml.
 
 ``optional=True``: where no C compiler or OpenSSL headers are found the package installs without
-it and runs the same loops in Python (gds_kv_connector/native.py says which is in use).
+it and runs the same loops in Python (gds_kv_connector/format/native.py says which is in use).
 """
 
 import os

@@ -1,10 +1,10 @@
 /* gds_kv_connector._native: the per-block loops of the executor and transfer threads, in C.
  *
  * Python costs about a microsecond per block for each of these loops, and on a 256 KiB block
- * the whole DMA takes 4.8 us at PCIe speed, so the loops, not the copies, bounded small blocks
- * (profiling/results/).  Each function does one batch: it reads its arguments while holding the
+ * the whole DMA takes 4.8 us at PCIe speed, so the loops, not the copies, would bound small
+ * blocks.  Each function does one batch: it reads its arguments while holding the
  * GIL, releases it for the loop, and returns plain values.  Byte layouts are the ones in
- * docs/format.md and pool_format.py; the tests check every function against the Python code.
+ * docs/format.md and format/records.py; the tests check every function against the Python code.
  *
  * It also holds the slab guard (guard, unguard, guard_lost, arm_guard), which keeps a truncated
  * arena slab from killing the process with SIGBUS; that one has no Python twin.
@@ -64,14 +64,12 @@ static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); re
 /* Which loops release the GIL.  Releasing is a hand-off point: another thread takes the GIL and
  * this one then queues until that thread blocks again, so a short loop on the executor thread is
  * better off keeping it: chain_keys (the scheduler's match) keeps it under RELEASE_MIN_BLOCKS blocks
- * (about 0.3 us a block on the CI VM, profiling/gil_probe.py --costs; its p99 behind two busy threads
- * fell from 78-94 to 2 us, profiling/results/vm-a0fc233/gil-probe.log).  The slot-header loops run
+ * (about 0.3 us a block; kept, a 4-block chain's p99 behind two busy threads is about 2 us, against
+ * 80-90 us with the release).  The slot-header loops run
  * on transfer threads, where no executor latency is at stake, so they always release it and the
  * other transfer threads run their Python meanwhile.  Keeping it there under 64 / 512 slots
- * (a0fc233) showed no gain on the H200: 256 KiB host-memory arena saves 27.7, 27.7 against 31.2,
- * 29.4 GB/s before it, legs alternated (profiling/results/h200-4f66d29/bench-shm-ab.log), a gap
- * within this measure's spread (with the release back, 28.5, 29.3 against 28.3, 26.6,
- * h200-0e74e6a/).  link_keys (system calls) always releases. */
+ * showed no gain in 256 KiB host-memory arena saves (within the bench's spread either way).
+ * link_keys (system calls) always releases. */
 #define RELEASE_MIN_BLOCKS 64
 /* From this many blocks chain_keys hashes on a second thread while it converts the tokens (see
  * chain_job), publishing every CHAIN_PUBLISH_BLOCKS blocks. */
@@ -119,8 +117,8 @@ static unsigned char *addr_at(const Py_buffer *addrs, Py_ssize_t i) {
  * call per block.  tokens is a list or tuple of ints. */
 /* The hashing half of a long chain_keys: key b hashes key b-1 and block b's tokens once the executor
  * thread, which converts the tokens (it must hold the GIL to read the ints), has published block b
- * through `ready`.  So the two halves overlap: on the H200 host the conversion and the hashing of a
- * 128k-token prompt took about the same time (2.0-2.7 ms together, results/h200-d9c23a0/). */
+ * through `ready`.  So the two halves overlap: the conversion and the hashing of a 128k-token prompt take
+ * about the same time (a few milliseconds together). */
 struct chain_job {
     const unsigned char *prev;
     const int64_t *toks;
@@ -335,7 +333,7 @@ static PyObject *clear_headers(PyObject *self, PyObject *arg) {
 }
 
 /* True if bytes [FIELDS, HEADER_SIZE) are zero: one memcmp (vectorized in libc); a byte loop with
- * an early exit cost 3 us per header on the H200 host. */
+ * an early exit costs about 3 us per header. */
 static const unsigned char ZEROS[HEADER_SIZE - FIELDS];
 
 static int zero_tail(const unsigned char *h) { return memcmp(h + FIELDS, ZEROS, sizeof ZEROS) == 0; }
@@ -664,8 +662,8 @@ static long long key_file_size(char *path, const char **dir_of, const size_t *di
 /* link_keys(src, dirs, keys, suffix) -> list of errno values, 0 where link(2) succeeded
  *
  * Publishes one arena reference file under every key of a save batch (pool.publish_refs), at
- * "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for).  Each link is a system call, 1.7 us
- * on the H200 host and more in a sandboxed kernel, and the loop holds no GIL; the names are
+ * "<dirs[key[0]]>/<64 hex digits><suffix>" (pool.path_for).  Each link is a system call, a few
+ * microseconds (more in a sandboxed kernel), and the loop holds no GIL; the names are
  * formatted here too, so the transfer thread spends no GIL-held time per key on them. */
 static PyObject *link_keys(PyObject *self, PyObject *args) {
     const char *src, *suffix;
@@ -717,14 +715,14 @@ done:
  * (pool.count_present's files; the caller checks the sizes).  Every error, ENOENT or another,
  * ends the run, as a failed stat makes BlockPool.contains say False.  It runs on the executor
  * thread when a prompt is matched, nearly always for one key (the first block not yet saved), so
- * the GIL is kept for the first STAT_HOLD_GIL stats: on the CI VM the first GIL-releasing call after
- * a stretch of the executor's Python cost 17-20 us against 2-3 us for the same lstat with the GIL
- * held, with no other thread running (profiling/stat_gil_probe.py, results/vm-f515ce3/); on the
- * H200 host both took 1-5 us (results/h200-f515ce3/).  It is the hand-off RELEASE_MIN_BLOCKS avoids
+ * the GIL is kept for the first STAT_HOLD_GIL stats: the first GIL-releasing call after a stretch of
+ * the executor's Python can cost 17-20 us against 2-3 us for the same lstat with the GIL held, even
+ * with no other thread running (on other kernels both take 1-5 us).  It is the hand-off
+ * RELEASE_MIN_BLOCKS avoids
  * for chain_keys.  Longer runs (a prompt another process saved and this one has not indexed)
  * release it for the rest, which is split over up to STAT_THREADS threads of STAT_SPAN_MIN keys or
- * more: a stat is about 1 us of path walk on the H200 host, so a 128k-token prompt's 4096 files took
- * 3.8-4.4 ms on one thread (results/h200-7c802c7/count-present-probe.log). */
+ * more: a stat is about 1 us of path walk, so a 128k-token prompt's 4096 files take about 4 ms on
+ * one thread. */
 #define STAT_HOLD_GIL 8
 #define STAT_THREADS 8
 #define STAT_SPAN_MIN 256
@@ -859,9 +857,8 @@ done:
  *
  * chain_keys(prev, tokens, start, tokens_per_block, n) and present_run(dirs, keys, 0, suffix) in one
  * call whose stats overlap the hashing.  It is the match of a long prompt whose first block this
- * process has not indexed (another process or node saved it, or nobody did): on the H200 host the
- * key chain of its 4096 blocks took 1.45-1.52 ms (results/h200-9af4386/) and the stats of their files
- * 1.4-2.0 ms after it (results/h200-d9c23a0/).  Here the executor thread converts the tokens, one thread hashes behind
+ * process has not indexed (another process or node saved it, or nobody did): the key chain of its
+ * 4096 blocks takes about 1.5 ms and the stats of their files as long again after it.  Here the executor thread converts the tokens, one thread hashes behind
  * it, and up to STAT_THREADS threads take chunks of PROBE_CHUNK keys, in order, as soon as they are
  * hashed, and stat them; none takes a chunk past the lowest key found missing, so a prompt that is
  * not in the pool costs a few stats. */
