@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from gds_kv_connector.store.arena import SlotArena, maps_slabs
-from gds_kv_connector.store.blocks import load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.select import make_engine
 from gds_kv_connector.engines.kv_layout import pool_from_tensor
 from gds_kv_connector.store.pool import BlockPool
@@ -104,7 +104,7 @@ class ConnectorRig:
         def one(view: torch.Tensor) -> None:
             gate.wait(timeout=120)
             key = hashlib.sha256(b"warm" + os.urandom(8)).digest()
-            out = save_blocks(self.pool, self.engine, [key], [ZERO_KEY], [view])
+            out = open_store(self.pool, self.engine).save([key], [ZERO_KEY], [view])
             if out.failed:
                 raise RuntimeError(f"warm-up save failed: {out.failed[0][1]}")
             load_keys(self.pool, self.engine, [key], [view], retries=2, timeout_s=60)
@@ -126,9 +126,9 @@ def load_keys(pool: BlockPool, engine: Any, keys: list[bytes], views: list[torch
               timeout_s: float) -> int:
     """Pin, load (checksums verified) and unpin one batch, as a connector's transfer thread does;
     returns the bytes loaded."""
-    pins = pin_blocks(pool, keys)
+    pins = open_store(pool).pin(keys)
     try:
-        return load_blocks(pool, engine, pins, views, verify=True, retries=retries,
+        return open_store(pool, engine).load(pins, views, verify=True, retries=retries,
                            deadline=time.monotonic() + timeout_s)
     finally:
         pool.unpin_all(pins)
@@ -165,7 +165,7 @@ def connector_phase(rig: ConnectorRig, kv: torch.Tensor, keys: list[bytes], pare
 
     def do_save(idx: list[int]) -> int:
         with tracer.rf(f"bench/save_blocks x{len(idx)}"):
-            out = save_blocks(pool, engine, [keys[i] for i in idx], [parents[i] for i in idx],
+            out = open_store(pool, engine).save([keys[i] for i in idx], [parents[i] for i in idx],
                               blocks.block_views(idx))
         if out.failed:
             raise RuntimeError(f"{len(out.failed)} block saves failed (first cause: {out.failed[0][1]})")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.format.records import ZERO_KEY
 from gds_kv_connector.bench.common import GC, KvikioDefaults, MATCH_BLOCKS, MATCH_BLOCK_ELEMS, TOKENS_PER_BLOCK, Tracer, rand_bytes
 
@@ -252,7 +252,7 @@ def save_chain(worker: Any, keys: list[bytes], data: torch.Tensor) -> None:
     chain), through the worker's pool and engine in batches of 512; raises if any save fails."""
     for i in range(0, len(keys), 512):
         idx = range(i, min(len(keys), i + 512))
-        o = save_blocks(worker.pool, worker.transfers.engine, keys[i:i + 512],
+        o = open_store(worker.pool, worker.transfers.engine).save(keys[i:i + 512],
                         [keys[j - 1] if j else ZERO_KEY for j in idx], [data[j] for j in idx])
         if o.failed:
             raise RuntimeError(f"saving a prompt's blocks: {len(o.failed)} saves failed ({o.failed[0][1]})")

@@ -12,7 +12,7 @@ Phases (each bounded in bytes and in time; the whole run shares a time budget, -
 * baselines  the TensorRT-LLM example's per-block ``torch.save(block.cpu())`` / ``torch.load`` +
              ``copy_``, and naive KvikIO (one ``kvikio.CuFile`` per block, library defaults,
              sequential ``pwrite``/``pread(...).get()``; CUDA + KvikIO only);
-* connector  ``store.blocks.save_blocks`` and ``pin_blocks`` + ``load_blocks`` (checksums on) with the
+* connector  the store's ``save`` and ``pin`` + ``load`` (``store.base.open_store``, checksums on) with the
              engine the connector would choose (``make_engine("auto", ...)``), per block size and
              target, disk loads from a cold page cache;
 * executor   connector callback time on the executor thread through the reference executor

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.format.records import ZERO_KEY
 from gds_kv_connector.bench.common import KvikioDefaults, MiB, Tracer, rand_bytes, gbps
 from gds_kv_connector.bench.connector import ConnectorRig, load_keys
@@ -63,7 +63,7 @@ def overlap(root: str, device: torch.device, io_threads: int, threads: int, bloc
                     keys = [hashlib.sha256(f"ov/{t}/{gen}/{j}".encode()).digest() for j in range(per_thread)]
                     gen += 1
                     with tracer.rf(f"bench/save_blocks x{per_thread}"):
-                        o = save_blocks(rig.pool, rig.engine, keys, [ZERO_KEY] * per_thread, views)
+                        o = open_store(rig.pool, rig.engine).save(keys, [ZERO_KEY] * per_thread, views)
                     if o.failed:
                         raise RuntimeError(f"overlap save failed: {o.failed[0][1]}")
                     with tracer.rf(f"bench/load_blocks x{per_thread}"):

@@ -313,12 +313,11 @@ def _hints(report: dict[str, Any]) -> list[str]:
             continue
         if r["fs_type"] in HOST_FS_TYPES:
             out.append(f"root {r['path']} is in host memory and runs without the slot arena: each block file is "
-                       "mapped and registered for DMA on its own (0.7-1.5 GB/s on an H200 host, against 53-55 "
-                       "with the arena's slabs); set TLLM_GDS_KV_ARENA_BYTES on every owner of the pool")
+                       "mapped and registered for DMA on its own, an order of magnitude slower than copies into "
+                       "the arena's slabs, which are registered once; set TLLM_GDS_KV_ARENA_BYTES on every owner of the pool")
         else:
             out.append(f"root {r['path']} is a disk without the slot arena: one file per block, so blocks below a "
-                       "few MiB save at about half the disk's write rate (the arena reached 91-98% on an H200 "
-                       "host's ext4 disk); set TLLM_GDS_KV_ARENA_BYTES on every owner of the pool")
+                       "few MiB save at about half the disk's write rate, where the arena's slots come near it; set TLLM_GDS_KV_ARENA_BYTES on every owner of the pool")
     return out
 
 

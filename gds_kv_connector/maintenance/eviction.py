@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from gds_kv_connector.util.atomic_file import TMP_MARK, WRITER_SUFFIX, dead_writers, mark_held, tmp_writer
-from gds_kv_connector.store.pool import _tmp_is_stale
+from gds_kv_connector.store.pool import tmp_is_stale
 from gds_kv_connector.util.host import HOST, HOST_TAG, pid_alive
 from gds_kv_connector.format.records import ZERO_KEY, BlockHeader, FormatError, is_ref_size
 from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, PoolScan, RefFile, fingerprint_dirs, layout_dir, open_regular,
@@ -376,7 +376,7 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
         if not dry_run:
             for i, scan in scans.items():
                 report, root = reports[i], roots[i]
-                report.tmp_removed = sum(1 for p in scan.tmp if _tmp_is_stale(os.path.basename(p), p, now)
+                report.tmp_removed = sum(1 for p in scan.tmp if tmp_is_stale(os.path.basename(p), p, now)
                                          and _unlink_quiet(p))
                 report.quarantine_removed = _expire_quarantine(root, now)
                 _tidy_owners(root, now)

@@ -168,7 +168,7 @@ class SlotArena:
         self.reuse_delay_s = reuse_delay_s
         self.clock = clock
         self.dir = os.path.join(pool.fp_dirs[0], SLABS_DIR)
-        pool._makedirs(self.dir)
+        pool.makedirs(self.dir)
         self._lock = threading.Lock()
         self._slabs: dict[str, Slab] = {}
         # other owners' slabs gc removed, dropped from _slabs and closed once the time given passes

@@ -171,9 +171,9 @@ class BlockPool:
         self._untrusted_dirs: dict[int, float] = {}
         for root, fp_dir in zip(self.roots, self.fp_dirs):
             self._check_root(root)
-            self._makedirs(fp_dir)
-            self._makedirs(os.path.join(root, LAYOUT_DIR, QUARANTINE_DIR))
-            self._makedirs(os.path.join(root, LAYOUT_DIR, OWNERS_DIR))
+            self.makedirs(fp_dir)
+            self.makedirs(os.path.join(root, LAYOUT_DIR, QUARANTINE_DIR))
+            self.makedirs(os.path.join(root, LAYOUT_DIR, OWNERS_DIR))
             self._write_geometry(fp_dir, geometry_note)
         self.trust = PoolTrust.of_roots(self.roots, share_group)
         for d in (*(os.path.join(r, LAYOUT_DIR) for r in self.roots), *self.fp_dirs):
@@ -533,7 +533,7 @@ class BlockPool:
                 if not self._made_dirs.issuperset(self._key_dirs):
                     for b in {k[0] for k in keys}:
                         try:
-                            self._makedirs(self._key_dirs[b])
+                            self.makedirs(self._key_dirs[b])
                         except (OSError, PoolError) as exc:
                             no_dir[b] = exc
                 linking = [k for k in keys if k[0] not in no_dir] if no_dir else keys
@@ -606,7 +606,7 @@ class BlockPool:
                     break
                 self._made_dirs.discard(qdir)
                 try:
-                    self._makedirs(qdir)
+                    self.makedirs(qdir)
                 except (OSError, PoolError):
                     break
             except OSError as exc:
@@ -643,7 +643,7 @@ class BlockPool:
     def _create_tmp_file(self, d: str, key: bytes) -> tuple[int, str]:
         """(descriptor, path) of a new temporary file for ``key`` in its directory ``d``; block files
         and reference files share it, so both recover from a directory removed under them."""
-        self._makedirs(d)
+        self.makedirs(d)
         tmp = os.path.join(d, f"{TMP_PREFIX}{key.hex()}-{HOST_TAG}-{os.getpid()}-{secrets.token_hex(4)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
@@ -651,7 +651,7 @@ class BlockPool:
         except FileNotFoundError:
             # The directory vanished under us (pool wiped while serving): recreate it once.
             self._forget_dirs(d)
-            self._makedirs(d)
+            self.makedirs(d)
             return self.ops.open(tmp, flags, self.file_mode), tmp
 
     def _relink_into_removed_dirs(self, tmp: str, keys: list[bytes],
@@ -665,7 +665,7 @@ class BlockPool:
         for b in {keys[n][0] for n in again}:
             self._forget_dirs(self._key_dirs[b])
             try:
-                self._makedirs(self._key_dirs[b])
+                self.makedirs(self._key_dirs[b])
             except (OSError, PoolError):
                 pass  # the link below fails again and reports it
         return self._relink(tmp, keys, results, again)
@@ -766,7 +766,7 @@ class BlockPool:
 
     # -- maintenance ------------------------------------------------------------------------------
     def cleanup_stale_tmp(self, now: float | None = None) -> int:
-        """Remove temporary files that no writer can still be publishing (:func:`_tmp_is_stale`);
+        """Remove temporary files that no writer can still be publishing (:func:`tmp_is_stale`);
         ``now`` (wall-clock seconds) is for tests."""
         removed = 0
         now = time.time() if now is None else now
@@ -776,7 +776,7 @@ class BlockPool:
                 for name in _listdir(d):
                     if not name.startswith(TMP_PREFIX):
                         continue
-                    if _tmp_is_stale(name, os.path.join(d, name), now):
+                    if tmp_is_stale(name, os.path.join(d, name), now):
                         try:
                             os.unlink(os.path.join(d, name))
                             removed += 1
@@ -796,7 +796,7 @@ class BlockPool:
         if not os.access(root, os.W_OK | os.X_OK):
             raise PoolError(f"pool root {root} is not writable by this process")
 
-    def _makedirs(self, d: str, depth: int = 0) -> None:
+    def makedirs(self, d: str, depth: int = 0) -> None:
         """Create ``d`` (and missing parents below the root) with exactly the pool's directory mode."""
         if d in self._made_dirs:
             return
@@ -810,8 +810,8 @@ class BlockPool:
             if depth > 8 or parent == d:
                 raise
             self._made_dirs.discard(parent)  # cached, but removed since
-            self._makedirs(parent, depth + 1)
-            return self._makedirs(d, depth + 1)
+            self.makedirs(parent, depth + 1)
+            return self.makedirs(d, depth + 1)
         try:
             st = os.lstat(d)
         except FileNotFoundError:
@@ -855,7 +855,7 @@ def _listdir(d: str) -> list[str]:
         return []
 
 
-def _tmp_is_stale(name: str, path: str, now: float) -> bool:
+def tmp_is_stale(name: str, path: str, now: float) -> bool:
     """True if the temporary file ``name`` (at ``path``) is left over: ``.tmp-<key>-<host tag>-<pid>-<rand>``.
 
     Never while it is young (TMP_YOUNG_S): its pid cannot be checked from another pid namespace on

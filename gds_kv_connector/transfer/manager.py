@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Callable, Collection, Iterable
 
-from gds_kv_connector.store.blocks import LoadFailure, LoadStopped, SaveOutcome, load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import LoadFailure, LoadStopped, SaveOutcome, open_store
 from gds_kv_connector.engines.base import IoEngine
 from gds_kv_connector.engines.kv_layout import KvPool
 from gds_kv_connector.transfer.jobs import LoadOp, SaveOp
@@ -325,14 +325,15 @@ class TransferManager:
             _wait_event(event)
             if not in_time():  # stopped while queued behind its event: not one file is opened
                 raise LoadStopped(len(op.keys))
+            store = open_store(self.pool, self.engine)
             try:
-                pins = pin_blocks(self.pool, list(op.keys))
+                pins = store.pin(list(op.keys))
                 try:
                     views = self.kv.block_views(op.block_ids)
-                    return load_blocks(self.pool, self.engine, pins, views, verify=self.settings.verify,
-                                       retries=self.settings.read_retries, deadline=deadline, in_time=in_time)
+                    return store.load(pins, views, verify=self.settings.verify, retries=self.settings.read_retries,
+                                      deadline=deadline, in_time=in_time)
                 finally:
-                    self.pool.unpin_all(pins)
+                    store.unpin(pins)
             except LoadFailure as exc:
                 if isinstance(op, _Merged):
                     exc.request_id = op.owner_of(exc.key)
@@ -343,8 +344,8 @@ class TransferManager:
         with trace_range("io/save r{} x{}", "orange", op.request_id, len(op.keys)):
             _wait_event(event)
             views = self.kv.block_views(op.block_ids)
-            out = save_blocks(self.pool, self.engine, list(op.keys), list(op.parents), views, in_time, views_read,
-                              on_staged)
+            out = open_store(self.pool, self.engine).save(list(op.keys), list(op.parents), views, in_time,
+                                                          views_read, on_staged)
             if self._on_saved is not None and out.published:
                 self._on_saved(out.published * self.pool.file_size)
             return out

@@ -13,7 +13,7 @@ its life, ``<host tag>-<pid>-<rand>.writer``, locked with ``flock`` (:class:`Wri
 kernel drops the lock when the process dies, however it dies and whichever namespace looks, and
 a mark is renamed into place only once locked.  A pid of this host whose marks are all unlocked
 is a dead writer's (:func:`dead_writers`), and its temporary files can go at once instead of after
-the age rules of :func:`~.pool._tmp_is_stale`.  A pid without a mark is never taken for dead: a
+the age rules of :func:`~.pool.tmp_is_stale`.  A pid without a mark is never taken for dead: a
 writer of an older version, or one on a filesystem without ``flock``, keeps the age rules.  What
 remains: such an unmarked writer in another pid namespace of this host whose pid equals a dead
 marked writer's loses its temporary files younger than the age rules (its publication fails and

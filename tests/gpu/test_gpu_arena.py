@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 from tests.support.connector_helpers import serve  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
 from gds_kv_connector.store.arena import SlotArena  # noqa: E402
-from gds_kv_connector.store.blocks import load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.store.base import open_store  # noqa: E402
 from gds_kv_connector.engines.select import make_engine  # noqa: E402
 from gds_kv_connector.store.pool import BlockPool  # noqa: E402
 from gds_kv_connector.format.records import ZERO_KEY  # noqa: E402
@@ -48,14 +48,14 @@ def test_arena_round_trip_and_second_owner(shm_root, order):
     idx = list(range(n)) if order == "consecutive" else list(torch.randperm(n).tolist())
     keys = [hashlib.sha256(bytes([i, 7])).digest() for i in range(n)]
     a = _arena_pool(shm_root, engine, payload, 128)
-    out = save_blocks(a, engine, [keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
+    out = open_store(a, engine).save([keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
     assert (out.published, out.arena_fallback) == (n, 0), out.failed[:1]
     # the second owner: its own arena, a's slabs mapped and registered read-side on first use
     b = _arena_pool(shm_root, make_engine("kvikio", torch.device("cuda"), 8), payload, 64)
     for pool in (a, b):
         got = torch.zeros_like(kv)
-        pins = pin_blocks(pool, [keys[i] for i in idx])
-        load_blocks(pool, pool.arena.mapper, pins, [got[i] for i in idx], verify=True, retries=0,
+        pins = open_store(pool).pin([keys[i] for i in idx])
+        open_store(pool, pool.arena.mapper).load(pins, [got[i] for i in idx], verify=True, retries=0,
                     deadline=time.monotonic() + 30)
         torch.cuda.synchronize()
         assert torch.equal(got, kv)
@@ -73,14 +73,14 @@ def test_disk_arena_round_trip_and_second_owner(tmp_path, order, compat_io):
     idx = list(range(n)) if order == "consecutive" else list(torch.randperm(n).tolist())
     keys = [hashlib.sha256(bytes([i, 9])).digest() for i in range(n)]
     a = _arena_pool(str(tmp_path), engine, payload, 128, mapped=False)
-    out = save_blocks(a, engine, [keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
+    out = open_store(a, engine).save([keys[i] for i in idx], [ZERO_KEY] * n, [kv[i] for i in idx])
     assert (out.published, out.arena_fallback) == (n, 0), out.failed[:1]
     other = make_engine("kvikio", torch.device("cuda"), 8, compat_io=compat_io)
     b = _arena_pool(str(tmp_path), other, payload, 64, mapped=False)
     for pool, eng in ((a, engine), (b, other)):
         got = torch.zeros_like(kv)
-        pins = pin_blocks(pool, [keys[i] for i in idx])
-        load_blocks(pool, eng, pins, [got[i] for i in idx], verify=False, retries=0,
+        pins = open_store(pool).pin([keys[i] for i in idx])
+        open_store(pool, eng).load(pins, [got[i] for i in idx], verify=False, retries=0,
                     deadline=time.monotonic() + 30)
         torch.cuda.synchronize()
         assert torch.equal(got, kv)

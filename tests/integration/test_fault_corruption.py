@@ -3,7 +3,7 @@
 Pool files come from a directory other processes (and other users of a group) write, so the
 loader must treat them as untrusted: a corrupted byte anywhere that matters, a short file, a
 well-formed header of the wrong identity, a file renamed to another key's name, or a symlink
-planted at a key's name.  Each case must raise LoadFailure from pin_blocks/load_blocks, leave the
+planted at a key's name.  Each case must raise LoadFailure from the store's pin/load, leave the
 destination views' contents irrelevant (the load is reported failed), move the file to the
 quarantine directory (a symlink is moved itself, never followed), and make contains() /
 count_present() stop reporting the key.  Also: paths are formed only from 32-byte keys, and files
@@ -22,7 +22,7 @@ import pytest
 
 pytest.register_assert_rewrite("tests.support.fault_helpers")
 from tests.support import fault_helpers as fh  # noqa: E402
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.store.base import LoadFailure, open_store  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from gds_kv_connector.format.layout import LAYOUT_DIR, QUARANTINE_DIR  # noqa: E402
 from gds_kv_connector.format.records import CRC_OFFSET, HEADER_SIZE, _FIXED  # noqa: E402
@@ -48,7 +48,7 @@ def env(tmp_path):
 
 
 def _save(pool, engine, kv, key):
-    out = save_blocks(pool, engine, [key], [b""], [fh.fill(kv, 0, key)])
+    out = open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)])
     assert out.published == 1
     return pool.path_for(key)
 
@@ -89,9 +89,9 @@ def _expect_rejected(pool, engine, kv, key, *, via_load=True):
     """The key must fail to load, be quarantined and vanish from lookups."""
     before = len(_quarantined(pool))
     with pytest.raises(LoadFailure) as info:
-        pins = pin_blocks(pool, [key])
+        pins = open_store(pool).pin([key])
         try:
-            load_blocks(pool, engine, pins, [kv.block_view(1)], verify=True, retries=1,
+            open_store(pool, engine).load(pins, [kv.block_view(1)], verify=True, retries=1,
                         deadline=time.monotonic() + 10)
         finally:
             for p in pins:
@@ -175,11 +175,11 @@ def test_file_truncated_after_pin_detected(env):
     pool, engine, kv = env
     key = fh.key_of("shrink-after-pin")
     path = _save(pool, engine, kv, key)
-    pins = pin_blocks(pool, [key])
+    pins = open_store(pool).pin([key])
     os.truncate(path, HEADER_SIZE + 100)
     try:
         with pytest.raises(LoadFailure, match="file ended"):
-            load_blocks(pool, engine, pins, [kv.block_view(1)], verify=True, retries=1,
+            open_store(pool, engine).load(pins, [kv.block_view(1)], verify=True, retries=1,
                         deadline=time.monotonic() + 10)
     finally:
         pool.unpin(pins[0])
@@ -209,7 +209,7 @@ def test_symlink_at_key_path_never_followed(env, target):
     if target == "other_block":
         fh.verify_file(other_path)
     # The key can be published again now that the planted link is gone.
-    assert save_blocks(pool, engine, [key], [b""], [fh.fill(kv, 0, key)]).published == 1
+    assert open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)]).published == 1
     fh.load_and_compare(pool, engine, kv, [key], first_block=2)
     fh.record("corruption", trials=1, injected=1, detected=1)
 
@@ -231,10 +231,10 @@ def test_unverified_load_still_checks_header(env):
     key = fh.key_of("noverify")
     path = _save(pool, engine, kv, key)
     _rewrite(path, _flip(FIELDS["key"][0]))
-    pins = pin_blocks(pool, [key])
+    pins = open_store(pool).pin([key])
     try:
         with pytest.raises(LoadFailure):
-            load_blocks(pool, engine, pins, [kv.block_view(1)], verify=False, retries=0,
+            open_store(pool, engine).load(pins, [kv.block_view(1)], verify=False, retries=0,
                         deadline=time.monotonic() + 10)
     finally:
         pool.unpin(pins[0])
@@ -250,7 +250,7 @@ def test_corrupt_block_in_batch_releases_all_pins(env):
     os.truncate(pool.path_for(keys[2]), 10)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(LoadFailure):
-        pin_blocks(pool, keys)
+        open_store(pool).pin(keys)
     assert len(os.listdir("/proc/self/fd")) == before
     assert pool.count_present(keys) == 2
 
@@ -277,7 +277,7 @@ def test_quarantine_falls_back_to_unlink(env):
         pass  # a file where the directory was: mkdir fails
     os.truncate(path, 10)
     with pytest.raises(LoadFailure):
-        pin_blocks(pool, [key])
+        open_store(pool).pin([key])
     assert not os.path.lexists(path) and not pool.contains(key)
 
 
@@ -295,7 +295,7 @@ def test_permissions(tmp_path, share_group):
         engine = PosixEngine(io_threads=1)
         kv = fh.make_kv(1)
         key = fh.key_of("perm")
-        assert save_blocks(pool, engine, [key], [b""], [fh.fill(kv, 0, key)]).published == 1
+        assert open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)]).published == 1
         engine.close()
     finally:
         os.umask(old)

@@ -21,7 +21,7 @@ import torch
 
 pytest.register_assert_rewrite("tests.support.fault_helpers")
 from tests.support import fault_helpers as fh  # noqa: E402
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.store.base import LoadFailure, open_store  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from tests.support.faults import FaultyFileOps  # noqa: E402
 from gds_kv_connector.transfer.jobs import LoadOp, SaveOp  # noqa: E402
@@ -55,7 +55,7 @@ class Rig:
     def preload(self, keys):
         """Publish keys directly (no faults apply: rules are added after)."""
         views = [fh.fill(self.kv, i, k) for i, k in enumerate(keys)]
-        assert save_blocks(self.pool, self.engine, keys, [b""] * len(keys), views).published == len(keys)
+        assert open_store(self.pool, self.engine).save(keys, [b""] * len(keys), views).published == len(keys)
         for i in range(len(keys)):
             self.kv.block_view(i).numpy()[:] = 0
 
@@ -132,9 +132,9 @@ def test_transient_eio_on_header_read_is_retried(rig):
     key = fh.key_of("eio-header")
     r.preload([key])
     r.ops.add("preadv", "eio", count=1, path_contains=key.hex())
-    pins = pin_blocks(r.pool, [key])
+    pins = open_store(r.pool).pin([key])
     try:
-        load_blocks(r.pool, r.engine, pins, [r.kv.block_view(9)], verify=True, retries=1,
+        open_store(r.pool, r.engine).load(pins, [r.kv.block_view(9)], verify=True, retries=1,
                     deadline=time.monotonic() + 5)
     finally:
         r.pool.unpin(pins[0])
@@ -158,12 +158,12 @@ def test_a_brief_eio_hiccup_is_outlasted_by_the_paused_retries(tmp_path):
     pool = fh.make_pool(str(tmp_path), index_ttl_s=0.0)
     kv = fh.make_kv(2)
     key = fh.key_of("hiccup")
-    assert save_blocks(pool, PosixEngine(1), [key], [b""], [fh.fill(kv, 0, key)]).published == 1
+    assert open_store(pool, PosixEngine(1)).save([key], [b""], [fh.fill(kv, 0, key)]).published == 1
     ops = _EioUntil()
-    pins = pin_blocks(pool, [key])
+    pins = open_store(pool).pin([key])
     ops.until = time.monotonic() + 0.015
     try:
-        load_blocks(pool, PosixEngine(1, ops=ops), pins, [kv.block_view(1)], verify=True, retries=2,
+        open_store(pool, PosixEngine(1, ops=ops)).load(pins, [kv.block_view(1)], verify=True, retries=2,
                     deadline=time.monotonic() + 30)
     finally:
         pool.unpin_all(pins)
@@ -175,11 +175,11 @@ def test_retry_pauses_end_at_the_deadline(rig):
     key = fh.key_of("eio-until-deadline")
     r.preload([key])
     r.ops.add("preadv", "eio")
-    pins = pin_blocks(r.pool, [key])
+    pins = open_store(r.pool).pin([key])
     t0 = time.monotonic()
     try:
         with pytest.raises(LoadFailure):
-            load_blocks(r.pool, r.engine, pins, [r.kv.block_view(2)], verify=True, retries=20, deadline=t0 + 0.1)
+            open_store(r.pool, r.engine).load(pins, [r.kv.block_view(2)], verify=True, retries=20, deadline=t0 + 0.1)
     finally:
         r.pool.unpin_all(pins)
     elapsed = time.monotonic() - t0
@@ -279,10 +279,10 @@ def test_a_block_file_truncated_under_pin_is_a_load_failure_and_quarantined(tmp_
     pool = BlockPool((str(tmp_path),), fh.FINGERPRINT, PAGE, fh.TOKENS_PER_BLOCK, ops=ops, index_ttl_s=0.0)
     assert is_ref_size(pool.file_size)
     key = fh.key_of("truncated-under-pin")
-    assert save_blocks(pool, PosixEngine(1), [key], [b""], [torch.ones(PAGE, dtype=torch.uint8)]).published == 1
+    assert open_store(pool, PosixEngine(1)).save([key], [b""], [torch.ones(PAGE, dtype=torch.uint8)]).published == 1
     ops.add("preadv", "truncate", count=1)
     with pytest.raises(LoadFailure) as info:
-        pin_blocks(pool, [key])
+        open_store(pool).pin([key])
     assert info.value.key == key and info.value.path == pool.path_for(key) and "ended" in info.value.reason
     assert not pool.contains(key)
     assert [n.split(".")[0] for n in os.listdir(os.path.join(str(tmp_path), LAYOUT_DIR, QUARANTINE_DIR))] == [key.hex()]

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import LoadFailure, open_store
 from gds_kv_connector.maintenance.capacity import CapacityGuard
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.store.pool import BlockPool
@@ -48,7 +48,7 @@ def writer(root: str, seed: int, results) -> None:
         while time.monotonic() - start < WRITE_S:
             keys = [rng.randbytes(32) for _ in range(4)]  # one chain of four blocks
             views = [torch.randint(0, 256, (PAYLOAD,), dtype=torch.uint8) for _ in keys]
-            out = save_blocks(pool, engine, keys, [ZERO_KEY] + keys[:-1], views)
+            out = open_store(pool, engine).save(keys, [ZERO_KEY] + keys[:-1], views)
             assert not out.failed, out.failed
             guard.note_saved(out.published * FILE)
             written += out.published
@@ -86,10 +86,10 @@ def reader(root: str, seed: int, results) -> None:
             established += len(present)
             while present and time.monotonic() < protected_until:
                 try:
-                    pins = pin_blocks(pool, present)
+                    pins = open_store(pool).pin(present)
                     try:
                         views = [torch.empty(PAYLOAD, dtype=torch.uint8) for _ in pins]
-                        load_blocks(pool, engine, pins, views, verify=True, retries=0,
+                        open_store(pool, engine).load(pins, views, verify=True, retries=0,
                                     deadline=time.monotonic() + 5)
                         loads += len(pins)
                     finally:

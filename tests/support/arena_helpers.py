@@ -22,7 +22,7 @@ import torch
 from gds_kv_connector.format import native
 from gds_kv_connector.store.arena import ArenaError, Slab, SlotArena
 from gds_kv_connector.format.layout import SLAB_SUFFIX
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import LoadFailure, open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.store.pool import BlockPool
 from gds_kv_connector.format.records import HEADER_SIZE, ZERO_KEY
@@ -44,9 +44,9 @@ def data(n: int, seed: int) -> torch.Tensor:
 def load(pool: BlockPool, engine, block_keys: list[bytes]) -> torch.Tensor:
     """The blocks of ``block_keys``, checksums verified, their pins released afterwards."""
     out = torch.zeros((len(block_keys), PAYLOAD), dtype=torch.uint8)
-    pins = pin_blocks(pool, block_keys)
+    pins = open_store(pool).pin(block_keys)
     try:
-        load_blocks(pool, engine, pins, [out[i] for i in range(len(block_keys))], verify=True, retries=0,
+        open_store(pool, engine).load(pins, [out[i] for i in range(len(block_keys))], verify=True, retries=0,
                     deadline=time.monotonic() + 10)
     finally:
         pool.unpin_all(pins)
@@ -75,7 +75,7 @@ class Tally:
         self.counts = {"published": 0, "save_failed": 0, "ok": 0, "torn": 0, "failed": 0}
 
     def save(self, pool: BlockPool, engine, block_keys: list[bytes]) -> None:
-        out = save_blocks(pool, engine, block_keys, [ZERO_KEY] * len(block_keys), list(map(payload_of, block_keys)))
+        out = open_store(pool, engine).save(block_keys, [ZERO_KEY] * len(block_keys), list(map(payload_of, block_keys)))
         self.counts["published"] += out.published
         self.counts["save_failed"] += len(out.failed)
 
@@ -83,9 +83,9 @@ class Tally:
         """One block, unverified (a torn one must be caught without the checksum), then compared."""
         view = torch.zeros(PAYLOAD, dtype=torch.uint8)
         try:
-            pins = pin_blocks(pool, [key])
+            pins = open_store(pool).pin([key])
             try:
-                load_blocks(pool, engine, pins, [view], verify=False, retries=0, deadline=time.monotonic() + 10)
+                open_store(pool, engine).load(pins, [view], verify=False, retries=0, deadline=time.monotonic() + 10)
             finally:
                 pool.unpin_all(pins)
         except LoadFailure:

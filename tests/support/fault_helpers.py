@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from gds_kv_connector.store.blocks import load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.format.checksum import checksum_bytes
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.engines.kv_layout import pool_from_tensor
@@ -175,12 +175,12 @@ def verify_file(path: str) -> bytes:
 
 def load_and_compare(pool: BlockPool, engine, kv, keys: list[bytes], first_block: int = 0) -> None:
     """Load ``keys`` through the connector's own path and require byte-exact content."""
-    pins = pin_blocks(pool, keys)
+    pins = open_store(pool).pin(keys)
     try:
         views = [kv.block_view(first_block + i) for i in range(len(keys))]
         for v in views:
             v.numpy()[:] = 0xA5
-        load_blocks(pool, engine, pins, views, verify=True, retries=2, deadline=time.monotonic() + 30)
+        open_store(pool, engine).load(pins, views, verify=True, retries=2, deadline=time.monotonic() + 30)
     finally:
         for p in pins:
             pool.unpin(p)
@@ -205,9 +205,9 @@ def kill9_child(root: str, trial: int, wfd: int, old_keys: list[bytes]) -> None:
     while True:
         if old_keys and rng.random() < 0.3:  # a reader killed mid-read must not hurt anyone
             k = rng.choice(old_keys)
-            pins = pin_blocks(pool, [k])
+            pins = open_store(pool).pin([k])
             try:
-                load_blocks(pool, engine, pins, [kv.block_view(7)], verify=True, retries=0,
+                open_store(pool, engine).load(pins, [kv.block_view(7)], verify=True, retries=0,
                             deadline=time.monotonic() + 10)
             finally:
                 pool.unpin(pins[0])
@@ -219,7 +219,7 @@ def kill9_child(root: str, trial: int, wfd: int, old_keys: list[bytes]) -> None:
         i += n
         views = [fill(kv, j, k) for j, k in enumerate(keys)]
         before = {k for k in keys if pool.contains(k)}
-        out = save_blocks(pool, engine, keys, [b""] * n, views)
+        out = open_store(pool, engine).save(keys, [b""] * n, views)
         if out.failed:
             os.write(wfd, f"F {out.failed!r}\n".encode()[:400])
         lines = [f"P {k.hex()}\n" for k in keys if k not in before and pool.contains(k)]
@@ -249,7 +249,7 @@ def soak_child(root: str, idx: int, duration_s: float, start_at: float, result_p
     """
     import json
 
-    from gds_kv_connector.store.blocks import LoadFailure
+    from gds_kv_connector.store.base import LoadFailure
     from gds_kv_connector.format.keys import block_keys
 
     rng = random.Random(1000 + idx)
@@ -286,7 +286,7 @@ def soak_child(root: str, idx: int, duration_s: float, start_at: float, result_p
             views = [fill(kv, j, k) for j, k in enumerate(rest)]
             parents = [keys[hit - 1] if hit else b""] + rest[:-1]
             try:
-                out = save_blocks(pool, engine, rest, parents, views)
+                out = open_store(pool, engine).save(rest, parents, views)
             except Exception as exc:  # noqa: BLE001 - any raise from a lost race is a finding
                 errors.append(f"save raised: {exc!r}")
                 continue

@@ -11,7 +11,7 @@ import torch
 
 from tests.support.connector_helpers import CountedRequest, plan
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.format.keys import base_fingerprint, block_keys
 from gds_kv_connector.transfer.jobs import LoadOp
 from gds_kv_connector.format.records import ZERO_KEY
@@ -193,7 +193,7 @@ def test_a_load_skips_blocks_without_a_page(pool_env):
         prompt = list(range(300, 313))  # three full blocks, one token to compute
         keys = _keys(sched, prompt)
         data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
-        assert not save_blocks(worker.pool, worker.transfers.engine, keys, [ZERO_KEY] + keys[:-1],
+        assert not open_store(worker.pool, worker.transfers.engine).save(keys, [ZERO_KEY] + keys[:-1],
                                [data] * len(keys)).failed
         req = SimRequest(3, prompt, tokens=list(prompt))
         matched, _ = sched.get_num_new_matched_tokens(req, 0)
@@ -260,7 +260,7 @@ def test_a_new_long_prompt_missing_from_the_pool_is_answered_from_its_first_bloc
         other = list(range(9000, 9000 + _PROBE_MIN_TOKENS + 2))
         okeys = _keys(sched, other)
         data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
-        assert not save_blocks(worker.pool, worker.transfers.engine, okeys[:1], [ZERO_KEY], [data]).failed
+        assert not open_store(worker.pool, worker.transfers.engine).save(okeys[:1], [ZERO_KEY], [data]).failed
         worker.pool.forget(okeys[0])  # as another process saved it
         req2 = CountedRequest(2, list(other))
         assert sched.get_num_new_matched_tokens(req2, 0)[0] == TPB

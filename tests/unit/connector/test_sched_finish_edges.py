@@ -112,7 +112,7 @@ def test_a_request_first_seen_in_a_report_takes_its_salt_from_cache_salt_id(pair
 def test_a_request_ended_before_the_metadata_that_carries_its_load_does_not_load(pair, monkeypatch):
     """Its load was queued by update_state_after_alloc; sent with a later iteration's metadata, it
     would write pages the runtime freed when the request ended (and may have given to another)."""
-    from gds_kv_connector.store.blocks import save_blocks
+    from gds_kv_connector.store.base import open_store
     from gds_kv_connector.format.records import ZERO_KEY
 
     monkeypatch.setenv("TLLM_GDS_KV_ASYNC_LOAD_BYTES", "1GiB")
@@ -120,7 +120,7 @@ def test_a_request_ended_before_the_metadata_that_carries_its_load_does_not_load
     prompt = list(range(300, 310))  # two full blocks and two tokens
     keys = block_keys(base_fingerprint(sched._peer.geometry), None, prompt, TPB)
     data = torch.zeros(worker.pool.payload_len, dtype=torch.uint8)
-    assert not save_blocks(worker.pool, worker.transfers.engine, keys, [ZERO_KEY, keys[0]], [data] * 2).failed
+    assert not open_store(worker.pool, worker.transfers.engine).save(keys, [ZERO_KEY, keys[0]], [data] * 2).failed
     req = SimRequest(5, prompt, tokens=list(prompt))
     assert sched.get_num_new_matched_tokens(req, 0) == (2 * TPB, False)
     sched.update_state_after_alloc(req, [3, 4, 5])

@@ -11,7 +11,7 @@ from tests.unit.store.test_arena import _data, _flip, _keys, _pool, engine, shm_
 from tests.unit.maintenance.test_eviction import record_calls, touch
 
 from gds_kv_connector.maintenance import eviction
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.maintenance.eviction import evict
 from gds_kv_connector.maintenance.operations import gc, stats
 from gds_kv_connector.format.records import REF_ENTRY_SIZE, REF_HEADER_SIZE, ZERO_KEY
@@ -28,7 +28,7 @@ def _ref_size(n: int) -> int:
 def _save_chain(pool, engine, keys: list[bytes], first_parent: bytes = ZERO_KEY, seed: int = 1) -> None:
     """One save batch of a chain: ``keys[i]``'s parent is ``keys[i-1]``; one reference file."""
     d = _data(len(keys), seed)
-    out = save_blocks(pool, engine, keys, [first_parent] + keys[:-1], [d[i] for i in range(len(keys))])
+    out = open_store(pool, engine).save(keys, [first_parent] + keys[:-1], [d[i] for i in range(len(keys))])
     assert (out.published, out.arena_fallback) == (len(keys), 0)
     assert len({os.stat(pool.path_for(k)).st_ino for k in keys}) == 1
 
@@ -42,7 +42,7 @@ def test_a_reference_file_counts_once_in_scans_stats_and_eviction(shm_root, engi
     a = _pool(shm_root, engine, 2, per_slab=2)
     keys = _keys(3, b"mixed")
     d = _data(3, 2)
-    out = save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    out = open_store(a, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
     assert (out.published, out.arena_fallback) == (3, 1)  # two slots, then one block file
     ref = _ref_size(2)
     scan = scan_pool(shm_root)
@@ -89,14 +89,14 @@ def test_every_name_of_a_reference_file_can_be_evicted_in_one_run(shm_root, engi
 def test_a_name_republished_since_the_scan_is_not_evicted(shm_root, engine, monkeypatch):
     a = _pool(shm_root, engine, 16, per_slab=16)
     keys, d = _keys(4, b"re"), _data(5, 6)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4  # one file
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4  # one file
     real_scan = eviction.scan_pool
 
     def scan_then_replace(root):
         scan = real_scan(root)
         os.unlink(a.path_for(keys[1]))  # evicted by its owner and saved again since the scan
         a.forget(keys[1])
-        assert save_blocks(a, engine, keys[1:2], [ZERO_KEY], [d[4]]).published == 1
+        assert open_store(a, engine).save(keys[1:2], [ZERO_KEY], [d[4]]).published == 1
         return scan
     monkeypatch.setattr(eviction, "scan_pool", scan_then_replace)
     rep = evict(shm_root, quota_bytes=1, low_watermark=0.5, min_free_bytes=0, grace_s=0, now=LATER)
@@ -158,7 +158,7 @@ def test_short_of_free_space_alone_an_arena_keeps_its_references(shm_root, engin
     a = _pool(shm_root, engine, 2, per_slab=2)
     keys = _keys(3, b"space")
     d = _data(3, 3)
-    out = save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    out = open_store(a, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
     assert (out.published, out.arena_fallback) == (3, 1)
     huge = 1 << 62  # more free space than any filesystem has: the root is always short
     rep = evict(shm_root, quota_bytes=0, low_watermark=0.9, min_free_bytes=huge, grace_s=0, now=LATER)
@@ -174,7 +174,7 @@ def test_over_quota_and_short_of_space_references_go_only_for_the_quota(shm_root
     for i in range(4):
         keys = _keys(4, b"b%d" % i)
         d = _data(4, i + 1)
-        out = save_blocks(a, engine, keys, [ZERO_KEY] + keys[:-1], [d[j] for j in range(4)])
+        out = open_store(a, engine).save(keys, [ZERO_KEY] + keys[:-1], [d[j] for j in range(4)])
         assert (out.published, out.arena_fallback) == (4, 0)
     usage = scan_pool(shm_root).block_bytes
     assert usage == 4 * _ref_size(4)

@@ -15,7 +15,7 @@ import torch
 
 from gds_kv_connector.cli import main as cli
 from gds_kv_connector.format.layout import slab_tmp_name
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.maintenance.owner_stats import StatsPublisher, read_owner_stats, write_owner_stats
 from gds_kv_connector.maintenance.operations import (EXIT_OK, EXIT_PROBLEMS, UsageError, format_gc, format_stats,
@@ -46,7 +46,7 @@ def fill(root, engine, fp: bytes, n: int, geometry: str = "test geometry") -> Bl
     pool = BlockPool((str(root),), fp, PAYLOAD, 16, geometry_note=geometry)
     keys = [key(fp[0], i) for i in range(n)]
     views = [torch.arange(PAYLOAD, dtype=torch.int64).add(i * 7).to(torch.uint8) for i in range(n)]
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] + keys[:-1], views)
+    out = open_store(pool, engine).save(keys, [ZERO_KEY] + keys[:-1], views)
     assert out.published == n and not out.failed
     return pool
 
@@ -162,7 +162,7 @@ def fill_roots(roots, engine, firsts: list[int]) -> BlockPool:
     keys = [bytes([i]) + bytes(31) for i in firsts]
     n = len(keys)
     views = [torch.arange(PAYLOAD, dtype=torch.int64).add(i * 7).to(torch.uint8) for i in range(n)]
-    assert save_blocks(pool, engine, keys, [ZERO_KEY] + keys[:-1], views).published == n
+    assert open_store(pool, engine).save(keys, [ZERO_KEY] + keys[:-1], views).published == n
     return pool
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.maintenance.operations import format_gc, format_stats, format_verify, gc, stats, verify
 from gds_kv_connector.store.pool import BlockPool
@@ -39,7 +39,7 @@ def pool(tmp_path) -> BlockPool:
     try:
         keys = [key(i) for i in range(4)]
         views = [torch.full((PAYLOAD,), i + 1, dtype=torch.uint8) for i in range(4)]
-        assert save_blocks(p, eng, keys, [ZERO_KEY] * 4, views).published == 4
+        assert open_store(p, eng).save(keys, [ZERO_KEY] * 4, views).published == 4
     finally:
         eng.close()
     return p
@@ -146,7 +146,7 @@ def test_read_error_part_way_keeps_what_was_listed(pool, monkeypatch):
     extra = key(3)[:1] + b"\x01" * 31  # a second block in the same directory
     eng = PosixEngine(io_threads=1)
     try:
-        assert save_blocks(pool, eng, [extra], [ZERO_KEY], [torch.zeros(PAYLOAD, dtype=torch.uint8)]).published == 1
+        assert open_store(pool, eng).save([extra], [ZERO_KEY], [torch.zeros(PAYLOAD, dtype=torch.uint8)]).published == 1
     finally:
         eng.close()
     real = os.scandir

@@ -16,7 +16,7 @@ import torch
 from tests.support.arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
 from gds_kv_connector.store import arena as arena_mod
 from gds_kv_connector.store.arena import SlotArena, start_arena
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import LoadFailure, open_store
 from gds_kv_connector.engines.host_dma import coalesce
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.store.pool import BlockPool
@@ -91,7 +91,7 @@ def _pool(root: str, engine, slots: int, delay: float = 0.0, clock=time.monotoni
 def test_save_load_and_share_between_owners(shm_root, engine):
     a = _pool(shm_root, engine, 8, per_slab=8)
     keys, data = _keys(5), _data(5, 1)
-    out = save_blocks(a, engine, keys, [ZERO_KEY] * 5, [data[i] for i in range(5)])
+    out = open_store(a, engine).save(keys, [ZERO_KEY] * 5, [data[i] for i in range(5)])
     assert (out.published, out.arena_fallback, out.failed) == (5, 0, [])
     # one reference file for the batch, hard-linked under every key; no block files
     sts = [os.stat(a.path_for(k)) for k in keys]
@@ -113,8 +113,8 @@ def test_pin_all_pins_remembered_slots_as_pin_does_and_stops_at_a_missing_key(sh
     a, b = _pool(shm_root, engine, 8, per_slab=8), _pool(shm_root, engine, 8, per_slab=8)
     mine, theirs, missing = _keys(3, b"mine"), _keys(2, b"theirs"), _keys(1, b"gone")[0]
     data = _data(5, 7)
-    assert save_blocks(a, engine, mine, [ZERO_KEY] * 3, [data[i] for i in range(3)]).published == 3
-    assert save_blocks(b, engine, theirs, [ZERO_KEY] * 2, [data[i] for i in range(3, 5)]).published == 2
+    assert open_store(a, engine).save(mine, [ZERO_KEY] * 3, [data[i] for i in range(3)]).published == 3
+    assert open_store(b, engine).save(theirs, [ZERO_KEY] * 2, [data[i] for i in range(3, 5)]).published == 2
     assert all(a.arena.cached_ref(k) is not None for k in mine) and a.arena.cached_ref(theirs[0]) is None
     out: list = []
     with pytest.raises(FileNotFoundError):
@@ -126,7 +126,7 @@ def test_pin_all_pins_remembered_slots_as_pin_does_and_stops_at_a_missing_key(sh
     assert [p.slot for p in out] == [a.arena.cached_ref(k) for k in mine[:2] + theirs]
     assert all(p.fd == -1 and p.slot.slab for p in out)
     with pytest.raises(LoadFailure) as failed:
-        pin_blocks(a, theirs + [missing])
+        open_store(a).pin(theirs + [missing])
     assert failed.value.key == missing and failed.value.reason == "file vanished before it could be opened"
     assert torch.equal(_load(a, engine, mine + theirs), data)
     a.arena.close(), b.arena.close()
@@ -135,9 +135,9 @@ def test_pin_all_pins_remembered_slots_as_pin_does_and_stops_at_a_missing_key(sh
 def test_lost_race_releases_the_slot(shm_root, engine):
     a, b = _pool(shm_root, engine, 4), _pool(shm_root, engine, 4)
     k, d = _keys(1), _data(1, 2)
-    assert save_blocks(a, engine, k, [ZERO_KEY], [d[0]]).published == 1
+    assert open_store(a, engine).save(k, [ZERO_KEY], [d[0]]).published == 1
     # b checks only its in-memory index before saving, so it writes the slot and loses at link(2)
-    out = save_blocks(b, engine, k, [ZERO_KEY], [_data(1, 3)[0]])
+    out = open_store(b, engine).save(k, [ZERO_KEY], [_data(1, 3)[0]])
     assert (out.published, out.already_present, out.failed) == (0, 1, [])
     assert b.arena.usage()["used_slots"] == 0 and b.arena.usage()["ready_slots"] == 4
     assert torch.equal(_load(b, engine, k), d)  # the winner's bytes
@@ -149,9 +149,9 @@ def test_full_arena_evicts_oldest_and_reuses_after_delay(shm_root, engine):
     a = _pool(shm_root, engine, 4, delay=5.0, clock=lambda: now[0])
     old, new = _keys(4, b"old"), _keys(4, b"new")
     d_old, d_new = _data(4, 4), _data(4, 5)
-    assert save_blocks(a, engine, old, [ZERO_KEY] * 4, [d_old[i] for i in range(4)]).published == 4
-    stale = pin_blocks(a, old[:1])  # a reader resolved the slot just before it is evicted
-    out = save_blocks(a, engine, new[:2], [ZERO_KEY] * 2, [d_new[i] for i in range(2)])
+    assert open_store(a, engine).save(old, [ZERO_KEY] * 4, [d_old[i] for i in range(4)]).published == 4
+    stale = open_store(a).pin(old[:1])  # a reader resolved the slot just before it is evicted
+    out = open_store(a, engine).save(new[:2], [ZERO_KEY] * 2, [d_new[i] for i in range(2)])
     # eviction freed the oldest slots, but they cool for 5 s: the blocks went to block files instead
     assert out.published == 2 and out.arena_fallback == 2
     assert a.arena.usage()["evicted"] >= 2
@@ -159,14 +159,14 @@ def test_full_arena_evicts_oldest_and_reuses_after_delay(shm_root, engine):
         a.forget(k)
         assert not a.contains(k)
     now[0] += 6
-    out = save_blocks(a, engine, new[2:], [ZERO_KEY] * 2, [d_new[i] for i in range(2, 4)])
+    out = open_store(a, engine).save(new[2:], [ZERO_KEY] * 2, [d_new[i] for i in range(2, 4)])
     assert out.published == 2 and out.arena_fallback == 0
     assert torch.equal(_load(a, engine, new), d_new)
     assert torch.equal(_load(a, engine, old[2:]), d_old[2:])
     # the stale reader's slot now holds another block: it fails, never returns the wrong bytes
     view = torch.zeros(PAYLOAD, dtype=torch.uint8)
     with pytest.raises(LoadFailure):
-        load_blocks(a, engine, stale, [view], verify=True, retries=0, deadline=time.monotonic() + 5)
+        open_store(a, engine).load(stale, [view], verify=True, retries=0, deadline=time.monotonic() + 5)
     a.arena.close()
 
 
@@ -176,15 +176,15 @@ def test_saves_while_freed_slots_cool_evict_no_more_than_they_need(shm_root, eng
     now = [1000.0]
     a = _pool(shm_root, engine, 64, delay=5.0, clock=lambda: now[0], per_slab=64)
     old, d = _keys(64, b"old"), _data(64, 13)
-    assert save_blocks(a, engine, old, [ZERO_KEY] * 64, [d[i] for i in range(64)]).published == 64
+    assert open_store(a, engine).save(old, [ZERO_KEY] * 64, [d[i] for i in range(64)]).published == 64
     new, dn = _keys(10, b"new"), _data(10, 14)
     for i in range(8):  # one block each, all within the delay: block files
-        out = save_blocks(a, engine, new[i:i + 1], [ZERO_KEY], [dn[i]])
+        out = open_store(a, engine).save(new[i:i + 1], [ZERO_KEY], [dn[i]])
         assert out.published == 1 and out.arena_fallback == 1
     u = a.arena.usage()
     assert (u["evicted"], u["used_slots"], u["free_slots"]) == (2, 62, 2)  # one batch: capacity/32
     now[0] += 6
-    out = save_blocks(a, engine, new[8:], [ZERO_KEY] * 2, [dn[i] for i in range(8, 10)])
+    out = open_store(a, engine).save(new[8:], [ZERO_KEY] * 2, [dn[i] for i in range(8, 10)])
     assert out.published == 2 and out.arena_fallback == 0
     assert torch.equal(_load(a, engine, new[8:] + old[2:]), torch.cat([dn[8:], d[2:]]))
     a.arena.close()
@@ -198,7 +198,7 @@ def test_concurrent_reclaims_never_free_a_slot_reused_meanwhile(shm_root, engine
     a = _pool(shm_root, engine, 2, per_slab=2)
     A, B, C, D = (_keys(1, tag)[0] for tag in (b"A", b"B", b"C", b"D"))
     d = _data(4, 15)
-    assert save_blocks(a, engine, [A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
+    assert open_store(a, engine).save([A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
     os.unlink(a.path_for(A))  # evicted by another owner: its slot is free to reclaim
     read_ref, judged, d_published = a.read_ref, threading.Event(), threading.Event()
 
@@ -211,11 +211,11 @@ def test_concurrent_reclaims_never_free_a_slot_reused_meanwhile(shm_root, engine
 
     monkeypatch.setattr(a, "read_ref", paused_read_ref)
     saved_c = []
-    t2 = threading.Thread(target=lambda: saved_c.append(save_blocks(a, engine, [C], [ZERO_KEY], [d[2]])), name="t2")
+    t2 = threading.Thread(target=lambda: saved_c.append(open_store(a, engine).save([C], [ZERO_KEY], [d[2]])), name="t2")
     t2.start()
     try:
         assert judged.wait(10)
-        out = save_blocks(a, engine, [D], [ZERO_KEY], [d[3]])
+        out = open_store(a, engine).save([D], [ZERO_KEY], [d[3]])
         assert out.published == 1 and out.arena_fallback == 0  # into A's old slot
     finally:
         d_published.set()
@@ -239,10 +239,10 @@ def test_a_reference_that_cannot_be_read_keeps_its_slot(shm_root, engine):
     pool.arena.start(background=False)
     A, B, C = (_keys(1, tag)[0] for tag in (b"A", b"B", b"C"))
     d = _data(3, 16)
-    assert save_blocks(pool, engine, [A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
+    assert open_store(pool, engine).save([A, B], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
     ops.add("open", "errno", errno=errno.EMFILE, count=1, path_contains=A.hex())  # reclaim's check of A
     ops.add("open", "eio", count=1, skip=1, path_contains=B.hex())  # B's eviction (after its check)
-    out = save_blocks(pool, engine, [C], [ZERO_KEY], [d[2]])
+    out = open_store(pool, engine).save([C], [ZERO_KEY], [d[2]])
     assert out.published == 1 and out.arena_fallback == 1
     u = pool.arena.usage()
     assert (u["used_slots"], u["free_slots"], u["reclaim_errors"], u.get("evicted", 0)) == (2, 0, 2, 0)
@@ -263,7 +263,7 @@ def test_a_reference_that_cannot_be_read_keeps_its_slot(shm_root, engine):
 def test_damaged_slot_payload_is_detected(shm_root, engine):
     a = _pool(shm_root, engine, 2)
     k, d = _keys(1), _data(1, 6)
-    save_blocks(a, engine, k, [ZERO_KEY], [d[0]])
+    open_store(a, engine).save(k, [ZERO_KEY], [d[0]])
     _flip(a.arena, a.arena.cached_ref(k[0]), 4096 + 100)
     with pytest.raises(LoadFailure, match="checksum"):
         _load(a, engine, k)
@@ -273,7 +273,7 @@ def test_damaged_slot_payload_is_detected(shm_root, engine):
 def test_a_new_owner_adopts_the_slabs_of_a_finished_one(shm_root, engine):
     a = _pool(shm_root, engine, 4)
     keys, d = _keys(3), _data(3, 7)
-    save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    open_store(a, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
     os.unlink(a.path_for(keys[1]))  # evicted by some other owner meanwhile
     a.arena.close()  # the owner exits: its flock is released, its slabs stay
     b = _pool(shm_root, engine, 4)
@@ -283,7 +283,7 @@ def test_a_new_owner_adopts_the_slabs_of_a_finished_one(shm_root, engine):
     assert torch.equal(_load(b, engine, [keys[0], keys[2]]), d[[0, 2]])
     # new saves only take the free slots, never the live ones
     more, dm = _keys(2, b"more"), _data(2, 8)
-    assert save_blocks(b, engine, more, [ZERO_KEY] * 2, [dm[i] for i in range(2)]).arena_fallback == 0
+    assert open_store(b, engine).save(more, [ZERO_KEY] * 2, [dm[i] for i in range(2)]).arena_fallback == 0
     assert torch.equal(_load(b, engine, [keys[0], keys[2]] + more), torch.cat([d[[0, 2]], dm]))
     b.arena.close()
 
@@ -293,7 +293,7 @@ def test_adoption_takes_over_a_slab_a_load_mapped_first(shm_root, engine):
     stay mapped (same addresses), or a copy in flight would read unmapped memory and crash."""
     a = _pool(shm_root, engine, 2, per_slab=2)
     keys, d = _keys(2), _data(2, 9)
-    save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)])
+    open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)])
     a.arena.close()
     b = BlockPool((shm_root,), FP, PAYLOAD, 16, refs=True)
     b.arena = _arena(b, engine, 2, 2, 0.0)
@@ -324,19 +324,19 @@ def test_an_adopted_slab_s_free_slots_cool_before_reuse(shm_root, engine):
     reader = _pool(shm_root, engine, 1, delay=5.0, clock=lambda: now[0], per_slab=1)
     k, n = _keys(1, b"K"), _keys(2, b"N")
     d, dn = _data(1, 17), _data(2, 18)
-    assert save_blocks(a, engine, k, [ZERO_KEY], [d[0]]).published == 1
+    assert open_store(a, engine).save(k, [ZERO_KEY], [d[0]]).published == 1
     a.arena.close()  # the owner dies
-    pins = pin_blocks(reader, k)
+    pins = open_store(reader).pin(k)
     os.unlink(reader.path_for(k[0]))  # evicted just after the reader resolved it
     b = _pool(shm_root, engine, 1, delay=5.0, clock=lambda: now[0], per_slab=1)
     u = b.arena.usage()
     assert (u["slabs_adopted"], u["used_slots"], u["free_slots"], u["ready_slots"]) == (1, 0, 1, 0)
-    assert save_blocks(b, engine, n[:1], [ZERO_KEY], [dn[0]]).arena_fallback == 1
+    assert open_store(b, engine).save(n[:1], [ZERO_KEY], [dn[0]]).arena_fallback == 1
     view = torch.zeros(PAYLOAD, dtype=torch.uint8)
-    load_blocks(reader, engine, pins, [view], verify=True, retries=0, deadline=time.monotonic() + 5)
+    open_store(reader, engine).load(pins, [view], verify=True, retries=0, deadline=time.monotonic() + 5)
     assert torch.equal(view, d[0])
     now[0] += 6
-    assert save_blocks(b, engine, n[1:], [ZERO_KEY], [dn[1]]).arena_fallback == 0
+    assert open_store(b, engine).save(n[1:], [ZERO_KEY], [dn[1]]).arena_fallback == 0
     b.arena.close(), reader.arena.close()
 
 
@@ -388,7 +388,7 @@ def test_start_arena_maps_slabs_on_host_memory_only(shm_root, engine, monkeypatc
         slab = next(iter(pool.arena._slabs.values()))
         assert (slab.mm is not None) is mapped
         keys, d = _keys(3, fs.encode()), _data(3, 21)
-        assert save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+        assert open_store(pool, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
         assert torch.equal(_load(pool, engine, keys), d)
         pool.arena.close()
     with pytest.raises(SettingsError, match="one pool root"):
@@ -406,12 +406,12 @@ def test_disk_slots_are_preallocated_and_loads_verify_without_verify(shm_root, e
     st = os.fstat(slab.fd)
     assert st.st_size == 4 * a.file_size and st.st_blocks * 512 >= st.st_size
     keys, d = _keys(2), _data(2, 22)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     _flip(a.arena, a.arena.cached_ref(keys[1]), 4096 + 5)
     views = torch.zeros((2, PAYLOAD), dtype=torch.uint8)
-    pins = pin_blocks(a, keys)
+    pins = open_store(a).pin(keys)
     with pytest.raises(LoadFailure, match="checksum mismatch"):
-        load_blocks(a, engine, pins, [views[0], views[1]], verify=False, retries=0, deadline=time.monotonic() + 5)
+        open_store(a, engine).load(pins, [views[0], views[1]], verify=False, retries=0, deadline=time.monotonic() + 5)
     a.arena.close()
 
 
@@ -448,7 +448,7 @@ def test_new_disk_slabs_hold_no_unwritten_extents(tmp_path, engine, slab_mode):
     assert _unwritten_extents(slab.fd) == 0
     assert os.pread(slab.fd, 4096, 4096) == bytes(4096)
     keys, d = _keys(2), _data(2, 24)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     assert torch.equal(_load(a, engine, keys), d)
     a.arena.close()
 
@@ -461,7 +461,7 @@ def test_a_remembered_disk_slot_that_moved_is_resolved_again(shm_root, engine, s
         pytest.skip("disk slabs only (the mapped path has its own: _check_slots)")
     a, c = _pool(shm_root, engine, 4, per_slab=4), _pool(shm_root, engine, 4, per_slab=4)
     keys, d = _keys(2), _data(2, 23)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     good = [a.read_ref(k) for k in keys]
     for ref in good:
         c.arena.remember(ref._replace(created_ns=ref.created_ns + 1))  # out of date
@@ -508,7 +508,7 @@ def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
 
     a = _pool(shm_root, engine, 8, per_slab=8)
     keys, d = _keys(4), _data(4, 9)
-    save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)])
+    open_store(a, engine).save(keys, [ZERO_KEY] * 4, [d[i] for i in range(4)])
     r = verify(shm_root, workers=2, progress=False)
     assert (r["checked"], r["ok"], r["bad"]) == (4, 4, 0)
     _flip(a.arena, a.arena.cached_ref(keys[2]), 4096 + 7)
@@ -536,7 +536,7 @@ def test_slab_names_fit_the_reference_field_with_a_long_hostname(shm_root, engin
     a = _pool(shm_root, engine, 2)
     assert a.arena.usage()["slabs_created"] == 1 and not a.arena.usage().get("build_errors")
     keys, d = _keys(2), _data(2, 11)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     assert torch.equal(_load(a, engine, keys), d)
     a.arena.close()
 
@@ -550,7 +550,7 @@ def test_slots_whose_writes_start_after_the_deadline_are_freed_and_counted_expir
     pool.arena = _arena(pool, engine, 8, 8, 0.0)
     pool.arena.start(background=False)
     keys, d = _keys(5), _data(5, 13)
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 5, [d[i] for i in range(5)], lambda: written_so_far[0] < 2)
+    out = open_store(pool, engine).save(keys, [ZERO_KEY] * 5, [d[i] for i in range(5)], lambda: written_so_far[0] < 2)
     written = 5 if slab_mode == "mapped" else 2
     assert (out.published, out.expired, out.failed) == (written, 5 - written, [])
     present = [k for k in keys if pool.contains(k)]
@@ -571,7 +571,7 @@ def test_a_failed_link_fails_only_its_block_and_frees_its_slot(shm_root, engine)
     pool.arena.start(background=False)
     keys, d = _keys(3), _data(3, 12)
     ops.add("link", "eio", count=1, skip=1)  # the second key's link fails
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    out = open_store(pool, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
     assert out.published == 2 and [cause for _, cause in out.failed] == ["EIO"]
     failed = out.failed[0][0]
     assert failed == keys[1] and not os.path.exists(pool.path_for(failed))
@@ -604,7 +604,7 @@ def test_second_alloc_pass_fills_the_whole_request(shm_root, engine):
     # 4 slots ready, 4 published and evictable: a request for 6 takes the 4, then reclaims and takes 2 more
     a = _pool(shm_root, engine, 8, per_slab=8)
     keys, d = _keys(4), _data(4, 7)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
     got = a.arena.alloc(6)
     assert len(got) == 6 and len(set(got)) == 6
     a.arena.close()
@@ -619,7 +619,7 @@ def test_runs_groups_consecutive_slots():
 def test_check_records_stops_at_a_slot_outside_its_slab_or_an_unknown_slab(shm_root, engine):
     a = _pool(shm_root, engine, 4, per_slab=4)
     keys, d = _keys(3), _data(3, 8)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
     good = [a.read_ref(k) for k in keys]
     addrs, _, sums, bad, err = a.arena.check_records(good)
     assert bad == -1 and err is None and len(addrs) == len(sums) == 3
@@ -648,10 +648,10 @@ def test_coalesce_lists_matches_coalesce_on_runs_and_on_scattered_blocks():
 def test_a_loaded_block_is_evicted_after_the_ones_not_used_since(shm_root, engine):
     a = _pool(shm_root, engine, 4, per_slab=4)
     keys, d = _keys(4), _data(4, 9)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
     assert torch.equal(_load(a, engine, keys[:1]), d[:1])  # keys[0] becomes the most recently used
     new = _keys(1, b"new")
-    assert save_blocks(a, engine, new, [ZERO_KEY], [_data(1, 10)[0]]).published == 1
+    assert open_store(a, engine).save(new, [ZERO_KEY], [_data(1, 10)[0]]).published == 1
     assert a.arena.usage()["evicted"] == 1
     for k in keys:
         a.forget(k)
@@ -667,7 +667,7 @@ def test_a_saved_block_leaves_one_object_for_the_cyclic_gc_in_the_arena(shm_root
 
     a = _pool(shm_root, engine, 8, per_slab=4)
     keys, d = _keys(6), _data(6, 12)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 6, [d[i] for i in range(6)]).published == 6
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 6, [d[i] for i in range(6)]).published == 6
     used = a.arena._used
     assert len(used) == 6 and len({ref.slab for ref in used.values()}) == 2  # the batch spanned two slabs
     for pos, ref in used.items():
@@ -700,12 +700,12 @@ def test_disk_slabs_are_fsynced_once_each_before_their_references(shm_root, engi
     pool.arena = _arena(pool, engine, 4, 2, 0.0)  # two slabs of two slots
     pool.arena.start(background=False)
     keys, d = _keys(3), _data(3, 24)
-    out = save_blocks(pool, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
+    out = open_store(pool, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)])
     assert out.published == 3 and len(ops.fds) == 2 and len(set(ops.fds)) == 2
     assert torch.equal(_load(pool, engine, keys), d)
     ops.fail = True
     more = _keys(1, b"more")
-    out = save_blocks(pool, engine, more, [ZERO_KEY], [_data(1, 25)[0]])
+    out = open_store(pool, engine).save(more, [ZERO_KEY], [_data(1, 25)[0]])
     assert out.published == 0 and [cause for _, cause in out.failed] == ["EIO"]
     assert not os.path.exists(pool.path_for(more[0]))
     assert pool.arena.usage()["used_slots"] == 3 and pool.arena.usage()["ready_slots"] == 1
@@ -715,7 +715,7 @@ def test_disk_slabs_are_fsynced_once_each_before_their_references(shm_root, engi
 def test_a_slab_removed_under_its_references_fails_the_load_cleanly(shm_root, engine, slab_mode):
     a = _pool(shm_root, engine, 2, per_slab=2)
     keys, d = _keys(2), _data(2, 26)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     a.arena.close()
     for name in os.listdir(a.arena.dir):
         os.unlink(os.path.join(a.arena.dir, name))
@@ -730,7 +730,7 @@ def test_gc_removes_slabs_no_owner_holds_and_no_reference_names(shm_root, engine
 
     a = _pool(shm_root, engine, 4, per_slab=2)  # two slabs; the batch below fills only the first
     keys, d = _keys(2), _data(2, 27)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     used = a.arena.cached_ref(keys[0]).slab
     slabs = sorted(os.listdir(a.arena.dir))
     assert len(slabs) == 2
@@ -761,7 +761,7 @@ def test_stats_counts_arena_slabs_per_fingerprint(shm_root, engine, slab_mode):
 
     a = _pool(shm_root, engine, 4, per_slab=2)
     keys, d = _keys(3), _data(3, 28)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 3, [d[i] for i in range(3)]).published == 3
     r = stats(shm_root)
     (entry,) = r["fingerprints"].values()
     assert entry["blocks"] == 3 and entry["slabs"] == 2 and entry["slab_bytes"] == 4 * a.file_size
@@ -778,7 +778,7 @@ def test_slabs_of_another_host_are_read_but_never_adopted_or_collected(shm_root,
     monkeypatch.setattr(pool_mod, "HOST", "nodea")
     a = _pool(shm_root, engine, 2, per_slab=2)
     keys, d = _keys(2), _data(2, 29)
-    assert save_blocks(a, engine, keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
+    assert open_store(a, engine).save(keys, [ZERO_KEY] * 2, [d[i] for i in range(2)]).published == 2
     a.arena.close()
     (slab,) = os.listdir(a.arena.dir)
     assert slab.startswith(f"{pool_mod.host_tag('nodea')}-")
@@ -801,13 +801,13 @@ def test_the_key_directory_pass_stops_once_every_key_directory_exists(shm_root, 
     pass; forgetting a removed directory brings it back."""
     a = _pool(shm_root, engine, 300, per_slab=300)
     calls: list[str] = []
-    makedirs = a._makedirs
-    monkeypatch.setattr(a, "_makedirs", lambda d, depth=0: (calls.append(d), makedirs(d, depth))[1])
+    makedirs = a.makedirs
+    monkeypatch.setattr(a, "makedirs", lambda d, depth=0: (calls.append(d), makedirs(d, depth))[1])
     key_dirs = set(a._key_dirs)
 
     def save(keys, seed):
         calls.clear()
-        assert save_blocks(a, engine, keys, [ZERO_KEY] * len(keys), [v for v in _data(len(keys), seed)]).published \
+        assert open_store(a, engine).save(keys, [ZERO_KEY] * len(keys), [v for v in _data(len(keys), seed)]).published \
             == len(keys)
         return [d for d in calls if d in key_dirs]
 

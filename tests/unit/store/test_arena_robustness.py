@@ -20,7 +20,7 @@ from gds_kv_connector.store import arena as arena_mod
 from gds_kv_connector.format import native
 from gds_kv_connector.store.arena import SlotArena
 from gds_kv_connector.format.layout import slab_host_is_this
-from gds_kv_connector.store.blocks import LoadFailure, save_blocks
+from gds_kv_connector.store.base import LoadFailure, open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.store.pool import BlockPool
 from gds_kv_connector.format.records import ZERO_KEY
@@ -79,7 +79,7 @@ def _pool(root: str, mapper, slots: int, mapped: bool = True, per_slab: int = 2,
 
 def _save(pool: BlockPool, engine, keys: list[bytes], seed: int) -> torch.Tensor:
     d = _data(len(keys), seed)
-    assert save_blocks(pool, engine, keys, [ZERO_KEY] * len(keys), [d[i] for i in range(len(keys))]).published \
+    assert open_store(pool, engine).save(keys, [ZERO_KEY] * len(keys), [d[i] for i in range(len(keys))]).published \
         == len(keys)
     return d
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.arena_helpers import CHILD_FP, PAYLOAD, START_FAILED, TOUCHES, keys, payload_of
 from gds_kv_connector.store.arena import SlotArena
-from gds_kv_connector.store.blocks import save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.util.mounts import fs_type
 from gds_kv_connector.store.pool import BlockPool
@@ -126,7 +126,7 @@ def test_a_reader_survives_another_owner_s_slab_truncated(shm_root):
     pool.arena.start(background=False)
     try:
         shared = keys(8, b"shared")
-        assert save_blocks(pool, engine, shared, [ZERO_KEY] * 8, list(map(payload_of, shared))).published == 8
+        assert open_store(pool, engine).save(shared, [ZERO_KEY] * 8, list(map(payload_of, shared))).published == 8
         (slab,) = (os.path.join(pool.arena.dir, n) for n in os.listdir(pool.arena.dir))
         child = Child("reader", shm_root, 8)
         assert child.said() == {"published": 0, "save_failed": 0, "ok": 8, "torn": 0, "failed": 0}

@@ -28,7 +28,7 @@ from tests.support import REPO
 pytest.register_assert_rewrite("tests.support.fault_helpers")
 from tests.support import fault_helpers as fh  # noqa: E402
 from gds_kv_connector.store.arena import SlotArena  # noqa: E402
-from gds_kv_connector.store.blocks import LoadFailure, load_blocks, pin_blocks, save_blocks  # noqa: E402
+from gds_kv_connector.store.base import LoadFailure, open_store  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from tests.support.faults import FaultyFileOps  # noqa: E402
 from gds_kv_connector.maintenance.operations import EXIT_OK, EXIT_PROBLEMS, verify  # noqa: E402
@@ -52,7 +52,7 @@ def engine():
 def _saved(root: str, engine, keys: list[bytes], **kw) -> BlockPool:
     pool = fh.make_pool(root, geometry_note="trust test", **kw)
     kv = fh.make_kv(len(keys))
-    out = save_blocks(pool, engine, keys, [b""] * len(keys), [fh.fill(kv, i, k) for i, k in enumerate(keys)])
+    out = open_store(pool, engine).save(keys, [b""] * len(keys), [fh.fill(kv, i, k) for i, k in enumerate(keys)])
     assert out.published == len(keys)
     return pool
 
@@ -112,7 +112,7 @@ def _owner_loads(root: str, key: bytes) -> dict:
     if not matched:
         return {"matched": 0}
     try:
-        pool.unpin_all(pin_blocks(pool, [key]))
+        pool.unpin_all(open_store(pool).pin([key]))
         return {"matched": matched, "loaded": True}
     except LoadFailure as exc:
         return {"matched": matched, "failure": exc.reason, "key": exc.key.hex()}
@@ -153,10 +153,10 @@ def test_persistent_eio_on_a_promised_block_quarantines_it(tmp_path, engine):
     ops = FaultyFileOps()  # the reader's: it knows which file each descriptor it opened is
     ops.add("preadv", "eio", path_contains=key.hex())
     pool, faulty = fh.make_pool(root, ops=ops, index_ttl_s=0.0), PosixEngine(1, ops=ops)
-    pins = pin_blocks(pool, [key])
+    pins = open_store(pool).pin([key])
     try:
         with pytest.raises(LoadFailure) as info:
-            load_blocks(pool, faulty, pins, [fh.make_kv(1).block_view(0)], verify=True, retries=1,
+            open_store(pool, faulty).load(pins, [fh.make_kv(1).block_view(0)], verify=True, retries=1,
                         deadline=time.monotonic() + 10)
     finally:
         pool.unpin_all(pins)
@@ -222,7 +222,7 @@ def test_untrusted_block_file_is_never_loaded(tmp_path, engine, case):
     fresh = fh.make_pool(root)
     assert not fresh.contains(key), "an untrusted file counted as present"
     with pytest.raises(LoadFailure) as info:
-        fresh.unpin_all(pin_blocks(fresh, [key]))
+        fresh.unpin_all(open_store(fresh).pin([key]))
     assert info.value.key == key and "untrusted" in info.value.reason, info.value.reason
     assert not os.path.lexists(pool.path_for(key)) and len(_quarantined(root)) == 1
     assert fresh.count_present([key]) == 0 and fresh.count_present([src]) == 1
@@ -298,7 +298,7 @@ def test_save_moves_junk_aside_and_publishes(tmp_path, engine, kind):
     pool = _saved(root, engine, [other], index_ttl_s=0.0)
     _plant_junk(pool, key, kind, pool.path_for(other))
     kv = fh.make_kv(3)
-    out = save_blocks(pool, engine, [key], [b""], [fh.fill(kv, 0, key)])
+    out = open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)])
     assert (out.published, out.lost_race, out.failed) == (1, 0, []), out
     moved = _quarantined(root)
     assert len(moved) == 1 and _IS_KIND[kind](os.path.join(quarantine_dir(root), moved[0])), moved
@@ -319,7 +319,7 @@ def test_arena_save_moves_junk_aside_and_publishes_its_reference(tmp_path, engin
         for k, kind in zip(keys, ("directory", "fifo")):
             _plant_junk(pool, k, kind, "")
         kv = fh.make_kv(6)
-        out = save_blocks(pool, engine, keys, [b""] * 3, [fh.fill(kv, i, k) for i, k in enumerate(keys)])
+        out = open_store(pool, engine).save(keys, [b""] * 3, [fh.fill(kv, i, k) for i, k in enumerate(keys)])
         assert (out.published, out.already_present, out.failed) == (3, 0, []), out
         assert len(_quarantined(root)) == 2
         fresh = BlockPool((root,), fh.FINGERPRINT, fh.PAYLOAD_LEN, fh.TOKENS_PER_BLOCK, refs=True)

@@ -10,7 +10,7 @@ import pytest
 from tests.support import REPO
 import torch
 
-from gds_kv_connector.store.blocks import load_blocks, pin_blocks, save_blocks
+from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from tests.support.faults import FaultyFileOps
 from gds_kv_connector.store.pool import BlockPool
@@ -26,7 +26,7 @@ def _writer(root: str, key: bytes, fill: int, start, out) -> None:
     eng = PosixEngine(2)
     view = torch.full((NBYTES,), fill, dtype=torch.uint8)
     start.wait()
-    res = save_blocks(pool, eng, [key], [b"\0" * 32], [view])
+    res = open_store(pool, eng).save([key], [b"\0" * 32], [view])
     out.put((res.published, res.lost_race + res.already_present, len(res.failed)))
 
 
@@ -47,8 +47,8 @@ def test_concurrent_publication_of_one_key_first_wins(tmp_path):
     d = os.path.dirname(pool.path_for(key))
     assert os.listdir(d) == [os.path.basename(pool.path_for(key))]  # no temporary files left
     view = torch.empty(NBYTES, dtype=torch.uint8)
-    pins = pin_blocks(pool, [key])
-    load_blocks(pool, PosixEngine(1), pins, [view], verify=True, retries=0, deadline=1e18)
+    pins = open_store(pool).pin([key])
+    open_store(pool, PosixEngine(1)).load(pins, [view], verify=True, retries=0, deadline=1e18)
     assert len(set(view.tolist())) == 1  # one writer's bytes, whole, never a mix
 
 
@@ -56,13 +56,13 @@ def test_saved_block_round_trips_and_parent_recorded(tmp_path):
     pool, eng = BlockPool((str(tmp_path),), FP, NBYTES, 16), PosixEngine(2)
     keys = [os.urandom(32) for _ in range(3)]
     views = [torch.randint(0, 256, (NBYTES,), dtype=torch.uint8) for _ in keys]
-    out = save_blocks(pool, eng, keys, [b"\0" * 32] + keys[:-1], views)
+    out = open_store(pool, eng).save(keys, [b"\0" * 32] + keys[:-1], views)
     assert out.published == 3 and out.bytes_written == 3 * NBYTES
-    assert save_blocks(pool, eng, keys, [b"\0" * 32] + keys[:-1], views).already_present == 3
+    assert open_store(pool, eng).save(keys, [b"\0" * 32] + keys[:-1], views).already_present == 3
     dst = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
-    pins = pin_blocks(pool, keys)
+    pins = open_store(pool).pin(keys)
     assert pool.check_header(pins[2], os.pread(pins[2].fd, 4096, 0)).parent_key == keys[1]
-    load_blocks(pool, eng, pins, dst, verify=True, retries=0, deadline=1e18)
+    open_store(pool, eng).load(pins, dst, verify=True, retries=0, deadline=1e18)
     assert all(torch.equal(a, b) for a, b in zip(views, dst))
     assert oct(os.stat(pool.path_for(keys[0])).st_mode & 0o777) == "0o600"
 
@@ -85,7 +85,7 @@ def test_count_present_stats_what_another_process_saved(native_impl, tmp_path):
     writer, eng = BlockPool((str(tmp_path),), FP, NBYTES, 16), PosixEngine(2)
     keys = [os.urandom(32) for _ in range(12)]
     views = [torch.zeros(NBYTES, dtype=torch.uint8) for _ in keys]
-    assert save_blocks(writer, eng, keys[:10], [b"\0" * 32] + keys[:9], views[:10]).published == 10
+    assert open_store(writer, eng).save(keys[:10], [b"\0" * 32] + keys[:9], views[:10]).published == 10
     reader = BlockPool((str(tmp_path),), FP, NBYTES, 16)
     assert reader.count_present(keys) == 10 and reader.count_present(keys, 4) == 6
     assert reader.not_indexed(keys) == [10, 11]  # the ten found are indexed
@@ -180,7 +180,7 @@ def test_a_close_error_at_publication_never_closes_the_number_again(tmp_path, vi
     pool = BlockPool((str(tmp_path / "pool"),), FP, NBYTES, 16, ops=ops)
     key = os.urandom(32)
     if via == "publish":
-        out = save_blocks(pool, PosixEngine(1), [key], [b"\0" * 32], [torch.zeros(NBYTES, dtype=torch.uint8)])
+        out = open_store(pool, PosixEngine(1)).save([key], [b"\0" * 32], [torch.zeros(NBYTES, dtype=torch.uint8)])
         assert out.failed == [(key, "EIO")]
     else:
         assert isinstance(pool.publish_refs("slab-a", [SlotRef(key, "slab-a", 0, 1)])[0], OSError)

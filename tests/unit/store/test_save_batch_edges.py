@@ -21,12 +21,12 @@ from tests.support import REPO
 import torch
 
 from tests.support.arena_helpers import PAYLOAD, data as _data, keys as _keys, load as _load
-from gds_kv_connector.store import blocks as block_io
+from gds_kv_connector.store import files as block_files
 from gds_kv_connector.store import pool as pool_mod
 from gds_kv_connector.store.arena import SlotArena
-from gds_kv_connector.store.blocks import LoadFailure, save_blocks
+from gds_kv_connector.store.base import LoadFailure, open_store
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.store.pool import STALE_FOREIGN_TMP_S, TMP_YOUNG_S, BlockPool, _tmp_is_stale
+from gds_kv_connector.store.pool import STALE_FOREIGN_TMP_S, TMP_YOUNG_S, BlockPool, tmp_is_stale
 from gds_kv_connector.util.host import HOST, host_tag
 from gds_kv_connector.format.layout import TMP_PREFIX
 from gds_kv_connector.format.records import (REF_ENTRY_SIZE, REF_HEADER_SIZE, ZERO_KEY, SlotRef, pack_refs,
@@ -90,7 +90,7 @@ def test_a_key_repeated_in_a_batch_is_saved_once(shm_root, engine, owners, mappe
     slot, and the reference file lists the key once, naming the slot its owner keeps."""
     a = owners(shm_root, engine, 8, mapped)
     k, d = _keys(2), _data(2, 1)
-    out = save_blocks(a, engine, [k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
+    out = open_store(a, engine).save([k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
     assert (out.published, out.already_present, out.lost_race, out.failed) == (2, 1, 0, [])
     raw = open(a.path_for(k[0]), "rb").read()
     assert len(raw) == REF_HEADER_SIZE + 2 * REF_ENTRY_SIZE
@@ -101,7 +101,7 @@ def test_a_key_repeated_in_a_batch_is_saved_once(shm_root, engine, owners, mappe
 def test_a_key_repeated_in_a_batch_of_block_files_is_written_once(tmp_path, engine):
     pool = BlockPool((str(tmp_path),), FP, PAYLOAD, 16)
     k, d = _keys(2), _data(2, 1)
-    out = save_blocks(pool, engine, [k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
+    out = open_store(pool, engine).save([k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
     assert (out.published, out.already_present, out.lost_race, out.failed) == (2, 1, 0, [])
     assert torch.equal(_load(pool, engine, [k[0], k[1]]), d)
 
@@ -110,12 +110,12 @@ def test_a_reference_listing_a_key_twice_sends_readers_to_the_first_entry(shm_ro
                                                                           monkeypatch):
     """Files written before repeats were dropped list the key twice: its name was linked for the
     first entry, and the second entry's slot was freed at once and is reused by the next save."""
-    monkeypatch.setattr(block_io, "_first_of_each_key", lambda keys, todo: todo)  # the older writer
+    monkeypatch.setattr(block_files, "_first_of_each_key", lambda keys, todo: todo)  # the older writer
     a = owners(shm_root, engine, 8, mapped)
     k, d = _keys(2), _data(2, 1)
-    save_blocks(a, engine, [k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
+    open_store(a, engine).save([k[0], k[1], k[0]], [ZERO_KEY, k[0], ZERO_KEY], [d[0], d[1], d[0]])
     nxt, dn = _keys(1, b"next"), _data(1, 9)
-    save_blocks(a, engine, nxt, [ZERO_KEY], [dn[0]])  # takes the freed slot
+    open_store(a, engine).save(nxt, [ZERO_KEY], [dn[0]])  # takes the freed slot
     b = owners(shm_root, engine, 4, mapped)
     assert torch.equal(_load(b, engine, [k[0]])[0], d[0])
     assert _quarantined(shm_root) == []
@@ -150,11 +150,11 @@ def test_a_disk_slab_write_that_raises_frees_its_slots(shm_root, owners):
     try:
         a = owners(shm_root, eng, 8, False)
         k, d = _keys(8), _data(8, 1)
-        out = save_blocks(a, eng, k[:4], [ZERO_KEY] * 4, [d[i] for i in range(4)])
+        out = open_store(a, eng).save(k[:4], [ZERO_KEY] * 4, [d[i] for i in range(4)])
         assert (out.published, [cause for _, cause in out.failed]) == (0, ["RuntimeError"] * 4)
         assert [key for key, _ in out.failed] == k[:4]
         assert a.arena.usage()["free_slots"] == 8
-        out = save_blocks(a, eng, k, [ZERO_KEY] * 8, [d[i] for i in range(8)])
+        out = open_store(a, eng).save(k, [ZERO_KEY] * 8, [d[i] for i in range(8)])
         assert (out.published, out.arena_fallback) == (8, 0)
         assert torch.equal(_load(a, eng, k), d)
     finally:
@@ -167,7 +167,7 @@ def test_an_interrupt_in_a_disk_slab_write_frees_its_slots_and_propagates(shm_ro
         a = owners(shm_root, eng, 4, False)
         k, d = _keys(4), _data(4, 1)
         with pytest.raises(KeyboardInterrupt):
-            save_blocks(a, eng, k, [ZERO_KEY] * 4, [d[i] for i in range(4)])
+            open_store(a, eng).save(k, [ZERO_KEY] * 4, [d[i] for i in range(4)])
         assert a.arena.usage()["free_slots"] == 4
     finally:
         eng.close()
@@ -179,7 +179,7 @@ def test_a_reference_whose_slab_is_gone_is_quarantined(shm_root, engine, owners,
     every owner that promises it fails again."""
     a = owners(shm_root, engine, 2, mapped)
     k, d = _keys(2), _data(2, 1)
-    save_blocks(a, engine, k, [ZERO_KEY] * 2, [d[0], d[1]])
+    open_store(a, engine).save(k, [ZERO_KEY] * 2, [d[0], d[1]])
     a.arena.close()
     for name in os.listdir(a.arena.dir):
         os.unlink(os.path.join(a.arena.dir, name))
@@ -197,7 +197,7 @@ def test_a_slab_that_cannot_be_opened_for_now_leaves_its_reference(shm_root, eng
     """Only a slab that is gone condemns the reference; EMFILE or EIO may pass."""
     a = owners(shm_root, engine, 2, False)
     k, d = _keys(2), _data(2, 1)
-    save_blocks(a, engine, k, [ZERO_KEY] * 2, [d[0], d[1]])
+    open_store(a, engine).save(k, [ZERO_KEY] * 2, [d[0], d[1]])
     b = owners(shm_root, engine, 2, False)
 
     def slab_fd(name):
@@ -217,7 +217,7 @@ def test_a_reference_to_a_slot_its_slab_does_not_have_is_quarantined(shm_root, e
     that reference can never load again, so it must stop matching, as a mapped slab's does."""
     a = owners(shm_root, engine, 2, False)
     k, d = _keys(2), _data(2, 1)
-    save_blocks(a, engine, k, [ZERO_KEY] * 2, [d[0], d[1]])
+    open_store(a, engine).save(k, [ZERO_KEY] * 2, [d[0], d[1]])
     slot_bytes = a.arena.slot_bytes
     a.arena.close()
     (slab,) = os.listdir(a.arena.dir)
@@ -257,11 +257,11 @@ def test_arena_saves_go_on_after_the_key_directories_are_removed(shm_root, engin
     a = owners(shm_root, engine, 8, mapped)
     (k,) = _keys_in_dirs(1, 4)
     d = _data(4, 1)
-    assert save_blocks(a, engine, k[:1], [ZERO_KEY], [d[0]]).published == 1
+    assert open_store(a, engine).save(k[:1], [ZERO_KEY], [d[0]]).published == 1
     for kk in glob.glob(os.path.join(a.fp_dirs[0], "[0-9a-f][0-9a-f]")):
         shutil.rmtree(kk)
     for i in range(1, 4):
-        out = save_blocks(a, engine, k[i:i + 1], [ZERO_KEY], [d[i]])
+        out = open_store(a, engine).save(k[i:i + 1], [ZERO_KEY], [d[i]])
         assert (out.published, out.failed) == (1, [])
     assert torch.equal(_load(a, engine, k[1:]), d[1:])
 
@@ -271,9 +271,9 @@ def test_arena_saves_link_into_a_key_directory_removed_meanwhile(shm_root, engin
     a = owners(shm_root, engine, 8, mapped)
     first, second = _keys_in_dirs(2, 2)
     d = _data(4, 1)
-    assert save_blocks(a, engine, [first[0], second[0]], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
+    assert open_store(a, engine).save([first[0], second[0]], [ZERO_KEY] * 2, [d[0], d[1]]).published == 2
     shutil.rmtree(a.dir_for(second[0]))
-    out = save_blocks(a, engine, [first[1], second[1]], [ZERO_KEY] * 2, [d[2], d[3]])
+    out = open_store(a, engine).save([first[1], second[1]], [ZERO_KEY] * 2, [d[2], d[3]])
     assert (out.published, out.failed) == (2, [])
     _as_another_owner(a, [first[1], second[1]])
     assert torch.equal(_load(a, engine, [first[1], second[1]]), d[2:])
@@ -334,8 +334,8 @@ def test_a_temporary_file_named_before_host_tags_waits_for_the_foreign_age(tmp_p
     path = os.path.join(pool.dir_for(key), f"{TMP_PREFIX}{key.hex()}-{HOST}-4194305-abcd1234")
     open(path, "wb").close()
     name = os.path.basename(path)
-    assert not _tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
-    assert _tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
+    assert not tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
+    assert tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
 
 
 # -- views_read: the pages are free once the last write that reads them has them ---------------------
@@ -360,7 +360,7 @@ def test_only_a_save_s_last_write_says_its_views_are_read(shm_root, owners, mapp
         pool = owners(shm_root, eng, 8, mapped)
         k, d = _keys(12), _data(12, 1)
         said: list[int] = []
-        out = save_blocks(pool, eng, k, [ZERO_KEY] * 12, [d[i] for i in range(12)],
+        out = open_store(pool, eng).save(k, [ZERO_KEY] * 12, [d[i] for i in range(12)],
                           views_read=lambda: said.append(len(eng.calls)))
         assert out.published == 12 and out.arena_fallback == 4
         assert eng.calls == ([(4, True)] if mapped else [(8, False), (4, True)])

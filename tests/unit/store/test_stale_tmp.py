@@ -19,7 +19,7 @@ from tests.support import REPO
 from gds_kv_connector.util import atomic_file
 from gds_kv_connector.maintenance.capacity import CapacityGuard
 from gds_kv_connector.maintenance.eviction import evict
-from gds_kv_connector.store.pool import STALE_FOREIGN_TMP_S, TMP_YOUNG_S, BlockPool, _tmp_is_stale
+from gds_kv_connector.store.pool import STALE_FOREIGN_TMP_S, TMP_YOUNG_S, BlockPool, tmp_is_stale
 from gds_kv_connector.util.host import HOST_TAG, pid_alive
 from gds_kv_connector.format.layout import TMP_PREFIX
 from gds_kv_connector.format.records import ZERO_KEY, BlockHeader
@@ -60,7 +60,7 @@ def invisible_pids(monkeypatch):
 
 def test_young_tmp_of_an_invisible_pid_is_kept(pool, invisible_pids):
     path = _tmp(pool)
-    assert not _tmp_is_stale(os.path.basename(path), path, time.time())
+    assert not tmp_is_stale(os.path.basename(path), path, time.time())
     assert pool.cleanup_stale_tmp() == 0
     assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0
     assert os.path.exists(path)
@@ -92,7 +92,7 @@ def test_gc_in_another_pid_namespace_does_not_break_a_live_save(pool, monkeypatc
 def test_dead_local_writer_tmp_goes_once_past_the_young_age(pool, invisible_pids):
     path = _tmp(pool)
     later = time.time() + TMP_YOUNG_S + 5
-    assert _tmp_is_stale(os.path.basename(path), path, later)
+    assert tmp_is_stale(os.path.basename(path), path, later)
     assert evict(pool.roots[0], 0, 0.5, 0, 1, now=later).tmp_removed == 1
     assert not os.path.exists(path)
     path = _tmp(pool)
@@ -102,15 +102,15 @@ def test_dead_local_writer_tmp_goes_once_past_the_young_age(pool, invisible_pids
 def test_live_local_writer_tmp_goes_after_the_foreign_age(pool):
     path = _tmp(pool, pid=str(os.getpid()))
     name = os.path.basename(path)
-    assert not _tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
-    assert _tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
+    assert not tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
+    assert tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
 
 
 def test_foreign_host_tmp_goes_after_the_foreign_age(pool):
     path = _tmp(pool, host="otherhost")
     name = os.path.basename(path)
-    assert not _tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
-    assert _tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
+    assert not tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
+    assert tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
 
 
 @pytest.mark.parametrize("pid", ["99999999999999999999", str(2**31), "\u00b2", "\u0663", "0", "007", "-1", ""])
@@ -121,8 +121,8 @@ def test_odd_pid_in_a_name_is_a_foreign_file_not_a_crash(pool, pid):
     name = os.path.basename(path)
     assert pool.cleanup_stale_tmp() == 0
     assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0
-    assert not _tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
-    assert _tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
+    assert not tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
+    assert tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
     assert pool.cleanup_stale_tmp(now=time.time() + STALE_FOREIGN_TMP_S + 5) == 1
 
 
@@ -143,7 +143,7 @@ def test_tmp_that_cannot_be_examined_is_kept(pool, monkeypatch):
         return real(p, *a, **kw)
 
     monkeypatch.setattr(os, "stat", stat)
-    assert not _tmp_is_stale(os.path.basename(path), path, time.time() + 10 * STALE_FOREIGN_TMP_S)
+    assert not tmp_is_stale(os.path.basename(path), path, time.time() + 10 * STALE_FOREIGN_TMP_S)
 
 
 # -- dead writers of this host, at an owner's start -----------------------------------------------

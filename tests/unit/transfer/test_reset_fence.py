@@ -24,7 +24,7 @@ pytest.register_assert_rewrite("tests.support.fault_helpers", "gated_ops")
 from tests.support import fault_helpers as fh  # noqa: E402
 from tests.support.gated_ops import WAIT_S, GatedOps, release_when, wait_until  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
-from gds_kv_connector.store.blocks import save_blocks  # noqa: E402
+from gds_kv_connector.store.base import open_store  # noqa: E402
 from gds_kv_connector.transfer.jobs import LoadOp  # noqa: E402
 from gds_kv_connector.simulator import SimRequest, fake_llm_args  # noqa: E402
 from gds_kv_connector.transfer.manager import ConnectorFailure  # noqa: E402
@@ -189,7 +189,7 @@ def test_a_queued_load_of_a_reset_request_never_writes_its_old_pages(rig, is_asy
     r = rig()
     stored = [fh.key_of("reset-load", i) for i in range(2)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
-    assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
+    assert open_store(r.pool, r.engine).save(stored, [b""] * 2, views).published == 2
     _, gate = r.running_save(1, "blocker")
     r.tm.submit_loads([LoadOp(5, tuple(stored), (10, 11), is_async)], None)
     if is_async:
@@ -209,7 +209,7 @@ def test_a_queued_load_of_a_reset_request_never_writes_its_old_pages(rig, is_asy
 def test_a_running_load_of_a_reset_request_is_waited_for(rig):
     r = rig()
     stored = [fh.key_of("reset-running-load", 0)]
-    assert save_blocks(r.pool, r.engine, stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
+    assert open_store(r.pool, r.engine).save(stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
     gate = r.ops.hold(stored[0])
     r.tm.submit_loads([LoadOp(6, tuple(stored), (10,), True)], None)
     r.poll(loading=[6])
@@ -366,7 +366,7 @@ def test_a_reset_request_s_settled_load_failure_does_not_fail_its_replay(rig):
         time.sleep(0.002)
     r.tm.fence([5])
     stored = [fh.key_of("replay", 0)]
-    assert save_blocks(r.pool, r.engine, stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
+    assert open_store(r.pool, r.engine).save(stored, [b""], [fh.fill(r.kv, 20, stored[0])]).published == 1
     r.tm.submit_loads([LoadOp(5, tuple(stored), (11,), True)], None)
     r.poll(loading=[5])
     r.poll_until(want_loaded=[5])

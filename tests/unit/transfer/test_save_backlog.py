@@ -20,7 +20,7 @@ from tests.support import fault_helpers as fh  # noqa: E402
 from tests.support.gated_ops import WAIT_S, release_when, wait_until  # noqa: E402
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker  # noqa: E402
 from gds_kv_connector.transfer import manager as transfers  # noqa: E402
-from gds_kv_connector.store.blocks import save_blocks  # noqa: E402
+from gds_kv_connector.store.base import open_store  # noqa: E402
 from gds_kv_connector.engines.fileops import FileOps  # noqa: E402
 from gds_kv_connector.transfer.jobs import LoadOp  # noqa: E402
 from gds_kv_connector.simulator import (ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, State,  # noqa: E402
@@ -164,7 +164,7 @@ def test_loads_overtake_queued_saves(rig):
     r = rig(TLLM_GDS_KV_DEADLINE_S="3")
     stored = [fh.key_of("overtake", i) for i in range(4)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
-    assert save_blocks(r.pool, r.engine, stored, [b""] * 4, views).published == 4
+    assert open_store(r.pool, r.engine).save(stored, [b""] * 4, views).published == 4
     a, gate_a = r.running_save(1, "queued")
     b = r.save_op(2, "queued", 2, first_block=1)
     gate_b = r.ops.hold(b.keys[0])
@@ -206,7 +206,7 @@ def test_a_sync_load_passes_queued_async_loads(rig):
     r = rig()
     stored = [fh.key_of("passes", i) for i in range(3)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
-    assert save_blocks(r.pool, r.engine, stored, [b""] * 3, views).published == 3
+    assert open_store(r.pool, r.engine).save(stored, [b""] * 3, views).published == 3
     gate = r.ops.hold(stored[0])
     r.tm.submit_loads([LoadOp(1, (stored[0],), (10,), True)], None)
     assert gate.started.wait(WAIT_S)
@@ -262,7 +262,7 @@ def test_a_load_does_not_wait_for_saves_already_running(rig):
     r = rig(TLLM_GDS_KV_DEADLINE_S="5")
     stored = [fh.key_of("beside", i) for i in range(2)]
     views = [fh.fill(r.kv, 20 + i, k) for i, k in enumerate(stored)]
-    assert save_blocks(r.pool, r.engine, stored, [b""] * 2, views).published == 2
+    assert open_store(r.pool, r.engine).save(stored, [b""] * 2, views).published == 2
     a, gate = r.running_save(1, "running")  # the rig's only transfer thread is now writing it
     r.tm.submit_loads([LoadOp(10, tuple(stored), (10, 11), False)], None)
     r.tm.wait_sync_loads()  # before: until the held write ended, here at the 5 s deadline (fatal)
