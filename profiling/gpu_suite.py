@@ -56,7 +56,7 @@ def main() -> int:
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sh([py, "-m", "gds_kv_connector.cli", "doctor", "--root", args.pool, "--json"], f"{args.out}/doctor.json")
     junit = f"{args.out}/gpu-tests.xml"
-    rc = sh([py, "-m", "pytest", "-q", "-m", "gpu", "-rA", "-s", f"--junitxml={junit}", "tests"],
+    rc = sh([py, "-m", "pytest", "-q", "-m", "gpu", "-rA", "-s", f"--junitxml={junit}", "tests/gpu"],
             f"{args.out}/gpu-tests.log")
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     if os.path.exists(junit):

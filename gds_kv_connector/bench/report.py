@@ -210,7 +210,7 @@ def render_table(res: dict) -> str:
     L.append("")
     hdr = (f"  {'target':<6} {'dir':<4} {'block':>6} {'conn':>8} {'ceiling':>8} {'%ceil':>6} "
            f"{'trtllm':>8} {'x':>7} {'kvikio':>8} {'x':>6}  notes")
-    L.append("Connector (block_io + make_engine('auto'), checksums on) vs ceiling and baselines, GB/s")
+    L.append("Connector (the pool's store + make_engine('auto'), checksums on) vs ceiling and baselines, GB/s")
     L.append(hdr)
     for r in res["connector"]:
         trt = _find(res["baselines"], method="trtllm_example", target=r["target"], block_bytes=r["block_bytes"],
@@ -241,7 +241,7 @@ def render_table(res: dict) -> str:
                  f"{kvi['GBps'] if kvi else float('nan'):8.3f} "
                  f"{r['x_naive_kvikio'] if r.get('x_naive_kvikio') is not None else float('nan'):6.2f}  "
                  f"{', '.join(notes)}")
-    L.append("  (save GB/s counts until syncfs returns; 'returned' = when save_blocks returned, data maybe "
+    L.append("  (save GB/s counts until syncfs returns; 'returned' = when the store's save returned, data maybe "
              "still in the page cache)")
     ex = res.get("executor") or {}
     L.append("")
