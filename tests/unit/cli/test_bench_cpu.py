@@ -169,7 +169,7 @@ def test_bench_reports_goals_and_metadata(bench_result):
     statuses = {g["status"] for g in res["goals"]}
     assert statuses <= {"PASS", "MISS", "n/a"} and len(res["goals"]) >= 8
     assert "Goals (reported, never asserted)" in stdout
-    assert "Connector (block_io" in stdout
+    assert "Connector (the pool's store" in stdout
 
 
 def _small_bench(out, *args: str) -> subprocess.CompletedProcess:
