@@ -61,6 +61,8 @@ from gds_kv_connector.bench.report import pool_modes, compute_ratios, evaluate_g
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gds-kv bench", description=__doc__.splitlines()[0])
+    p.add_argument("--ttft", action="store_true", help="time to first token instead: prefill computed against "
+                   "loaded from host memory and cold disk, and the load policy (gds-kv bench --ttft --help)")
     p.add_argument("--quick", action="store_true", help="small run for CPU tests: ~64 MiB per phase, 2 sizes")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the KV pool lives")
     p.add_argument("--sizes", help=f"block sizes (default {DEFAULT_SIZES}; --quick {QUICK_SIZES})")
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(argv)
         if argv[:1] == ["--"]:  # `gds-kv bench -- --quick ...` forwards the separator too
             argv = argv[1:]
+    given = argv if argv is not None else sys.argv[1:]
+    if "--ttft" in given:  # a bench of its own, with its own options
+        from gds_kv_connector.bench.ttft import main as ttft_main
+        return ttft_main([a for a in given if a != "--ttft"])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.exec_new_tokens < 1:

@@ -206,6 +206,17 @@ SPECS: tuple[SettingSpec, ...] = (
                 "slower)."),
     SettingSpec("save", True, _parse_bool, "Save full blocks to the pool."),
     SettingSpec("load", True, _parse_bool, "Load matched blocks from the pool."),
+    SettingSpec("load_policy", "always", str, "Whether a matched prefix is loaded or computed: always (every "
+                "match is loaded), latency (loaded only when its load is expected to end before its compute "
+                "would: the request's time to first token), or throughput (GPU time only: an asynchronous "
+                "load parks its request while the GPU serves others, so it is loaded whenever it is expected "
+                "to end; a synchronous one holds the batch's forward, and follows the latency rule). Load "
+                "time is the bytes queued and matched over the rate this worker's loads measured; compute "
+                "time is fitted to the prompt forwards it timed (tokens and attention context). Until a "
+                "load has been measured, and after 60 s without one, a match is loaded (and measured). "
+                "Neither latency nor throughput loads what is expected to take over half of "
+                "TLLM_GDS_KV_DEADLINE_S. docs/ttft.md has the rules and the bench that checks them.",
+                _one_of("always", "latency", "throughput")),
     SettingSpec("verify", True, _parse_bool, "Verify the payload checksum of every loaded block."),
     SettingSpec("index_ttl_s", 5.0, _parse_float, "How long a positive lookup is trusted before the file is "
                 "checked again.", _seconds(0)),
@@ -269,6 +280,7 @@ class Settings:
     fsync: bool
     save: bool
     load: bool
+    load_policy: str
     verify: bool
     index_ttl_s: float
     share_group: bool

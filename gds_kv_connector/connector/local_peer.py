@@ -32,6 +32,9 @@ class PeerInfo:
     # The worker's view of its own shard: the scheduler matches through it, so a block this process
     # saved is found in its in-memory index instead of with a stat(2) per key.
     pool: Any = None
+    # The worker's load and forward measurements (load_policy.LoadEstimates) that the scheduler's
+    # TLLM_GDS_KV_LOAD_POLICY decides from; None where the policy is always (nothing is measured).
+    estimates: Any = None
 
 
 _lock = threading.Lock()

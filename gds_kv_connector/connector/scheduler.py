@@ -14,6 +14,7 @@ from typing import Any, List, Sequence, Tuple
 from gds_kv_connector.connector.cancel_board import CancelBoard
 from gds_kv_connector.format.keys import base_fingerprint, chain_from_tokens, chain_seed, inputs_seed
 from gds_kv_connector.connector.llm_config import EngineConfig, check_parallelism, read_llm_args
+from gds_kv_connector.connector.load_policy import ForwardClock, LoadPolicy
 from gds_kv_connector.connector.local_peer import PeerInfo, lookup
 from gds_kv_connector.connector.metadata import GdsKvMetadata
 from gds_kv_connector.transfer.jobs import LoadOp, SaveOp
@@ -148,6 +149,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._fold_decode = self._save and not self._prompt_only and mode == "eager"
         self._prefilling: set[int] = set()
         self._peer: PeerInfo | None = None
+        self._policy: LoadPolicy | None = None  # TLLM_GDS_KV_LOAD_POLICY other than always (_connect)
+        self._forwards: ForwardClock | None = None  # the worker's forward timing where it measures: fed each plan
         self._base_fp = b""
         self._seeds: dict[Any, bytes] = {}  # by salt, or (salt, adapter, input hashes)
         self._opaque: set[int] = set()  # requests with inputs the keys cannot name (_request_inputs)
@@ -193,7 +196,19 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
                           share_group=self.settings.share_group, index_ttl_s=self.settings.index_ttl_s,
                           refs=self.settings.arena_bytes > 0)
                 for fp in peer.fingerprints]
+            self._policy = self._load_policy(peer)
+            self._forwards = peer.estimates.forwards if peer.estimates is not None else None
         return self._peer
+
+    def _load_policy(self, peer: PeerInfo) -> LoadPolicy | None:
+        """The policy deciding whether a match is loaded; None for always (every match is)."""
+        mode = self.settings.load_policy
+        if mode == "always":
+            return None
+        if peer.estimates is None:
+            raise SettingsError(f"TLLM_GDS_KV_LOAD_POLICY={mode} reached the scheduler, but this process's worker "
+                                "measures nothing (it read always): give both the same settings")
+        return LoadPolicy(mode, peer.estimates, peer.block_bytes, self._tpb, self.settings.deadline_s)
 
     @property
     def _sole_worker(self) -> bool:
@@ -321,6 +336,10 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         if n == 0:
             return None
         is_async = n * self._peer.block_bytes > self.settings.async_load_bytes
+        if self._policy is not None and not self._policy.offers(first, n, is_async):
+            st.load_range = (first, first + n)  # computed, not loaded: in the pool already, so not saved again
+            self._peer.stats.add_many(policy_loads_declined=1, policy_blocks_declined=n)
+            return None
         hit = keys[first:first + n]
         self._recency.promise(hit)  # protects the promise from eviction until pinned
         return st, first, hit, is_async
@@ -517,6 +536,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         taking out a request whose load had not started (:meth:`_rebuild`)."""
         if scheduler_output is self._last_out:
             return self._rebuild(scheduler_output)
+        if self._forwards is not None:
+            self._note_work(scheduler_output)
         prefix_loads = getattr(scheduler_output, "prefix_loads", None) or ()
         loads: list[LoadOp] = [op for pl in prefix_loads if (op := self._prefix_load(pl)) is not None]
         saves: list[SaveOp] = []
@@ -529,6 +550,19 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         self._last_rids = frozenset(_rids_named(scheduler_output))
         self._last_meta = self._plan(loads, saves, 0)
         return self._last_meta
+
+    def _note_work(self, scheduler_output: Any) -> None:
+        """The tokens this plan's forward computes, for the load policy's compute estimate: each
+        scheduled request's tokens and how many precede them (a synchronously loaded request's first
+        report leaves its loaded tokens out of ``computed_position``; they are still attended to).
+        A new request computes prompt tokens; a cached one does when it has more than one token
+        scheduled (a prompt chunk), a decode step otherwise."""
+        reqs = self._reqs
+        spans = [(rd.computed_position + (st.sync_loaded_tokens if (st := reqs.get(rd.request_id)) else 0),
+                  rd.num_scheduled_tokens, True) for rd in scheduler_output.new_requests]
+        spans += [(rd.computed_position, rd.num_scheduled_tokens, rd.num_scheduled_tokens > 1)
+                  for rd in scheduler_output.cached_requests]
+        self._forwards.note_work(spans)
 
     def _plan(self, loads: list[LoadOp], saves: list[SaveOp], replaces: int) -> GdsKvMetadata | None:
         """The metadata of these loads and saves, with the resets and cancels queued since the last."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Tuple
+import time
+from typing import Any, Callable, List, Tuple
 
 import torch
 
@@ -14,6 +15,7 @@ from gds_kv_connector.engines.fileops import FileOps
 from gds_kv_connector.format.keys import PoolGeometry, shard_fingerprint
 from gds_kv_connector.engines.kv_layout import KvPool, LayoutError, pool_from_layout, pool_from_tensor
 from gds_kv_connector.connector.llm_config import check_parallelism, read_llm_args
+from gds_kv_connector.connector.load_policy import ForwardClock, ForwardCost, LoadEstimates, LoadRate
 from gds_kv_connector.connector.local_peer import PeerInfo, register, unregister
 from gds_kv_connector.maintenance.owner_stats import Snapshot, StatsPublisher
 from gds_kv_connector.connector.metadata import GdsKvMetadata
@@ -35,7 +37,11 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
 
     supports_attention_dp = True
 
-    def __init__(self, llm_args: Any, *, fileops: FileOps | None = None) -> None:
+    def __init__(self, llm_args: Any, *, fileops: FileOps | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        """``fileops``: the pool's system calls (tests inject faults); ``clock``: the time source of
+        the load policy's measurements (tests inject a simulated one; a CUDA pool times forwards
+        with CUDA events)."""
         super().__init__(llm_args)
         self.settings = Settings.load_from()
         _check_deadline_fits(self.settings, transfer_timeout_s(llm_args), control_grace_s(llm_args))
@@ -57,6 +63,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         # Asynchronous loads handed over but not yet confirmed by TensorRT-LLM (``_hold_async``).
         self._unconfirmed: dict[int, list[tuple[LoadOp, Any]]] = {}
         self.stats_publisher: StatsPublisher | None = None
+        self._clock = clock or time.monotonic
+        # what TLLM_GDS_KV_LOAD_POLICY decides from; None under always (nothing measured)
+        self.estimates: LoadEstimates | None = None
+        self._forwards: ForwardClock | None = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -107,10 +117,17 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
         self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self._snapshot,
                                               self.settings.stats_interval_s)
+        if self.settings.load_policy != "always":
+            self.estimates = LoadEstimates(LoadRate(f"{':'.join(self.pool.roots)} via {engine.data_path()}",
+                                                    self._clock),
+                                           ForwardClock(ForwardCost(), *_forward_stamps(kv.device, self._clock)))
+            self._forwards = self.estimates.forwards
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
-                                         on_saved=self.capacity.note_saved, record_event=self._record_event)
+                                         on_saved=self.capacity.note_saved, record_event=self._record_event,
+                                         load_meter=self.estimates.rate if self.estimates is not None else None)
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
-                                          self.transfers.fence, self.transfers.cancel_loads, self.stats, self.pool))
+                                          self.transfers.fence, self.transfers.cancel_loads, self.stats, self.pool,
+                                          self.estimates))
         arena = self.pool.arena
         log.info("gds-kv-connector: %d blocks of %d bytes, engine %s, pool %s (%s), %s", kv.num_blocks,
                  kv.block_bytes, engine.data_path(), ":".join(self.pool.roots), geom.describe(),
@@ -207,6 +224,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.transfers is not None and self.transfers.has_sync_loads:
             with trace_range("worker/wait_sync_load", "red"):
                 self.transfers.wait_sync_loads()
+        if self._forwards is not None:  # the forward's compute starts here, after any load it waited for
+            self._forwards.begin(stream)
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Saves are issued once per iteration in wait_for_save, after the last layer."""
@@ -215,6 +234,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def wait_for_save(self, stream: Any) -> None:
         if self.transfers is None:
             return
+        if self._forwards is not None:
+            self._forwards.end(stream)
         self._take_binding()  # one bound without a start_load_kv still has its saves taken
         saves, self._unsaved = self._unsaved, []
         if saves:
@@ -229,6 +250,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
                      started_loading_req_ids: List[int]) -> Tuple[List[int], List[int]]:
         if self.transfers is None:
             return [], []
+        if self._forwards is not None:
+            self._forwards.collect()
         if self._unconfirmed:
             self._confirm_async(started_loading_req_ids)
         if self._board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
@@ -286,6 +309,24 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         event = torch.cuda.Event()
         event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
         return event
+
+
+def _forward_stamps(device: torch.device, clock: Callable[[], float]) -> tuple[Callable[[Any], Any],
+                                                                              Callable[[Any, Any], float | None]]:
+    """How forwards are timed (``ForwardClock``): CUDA timing events on the forward's stream, read
+    once reached (the host returns from launching a forward long before the GPU ends it), or the
+    host clock for a host pool, whose forward has run when ``wait_for_save`` is called."""
+    if device.type != "cuda":
+        return (lambda stream: clock()), (lambda start, end: end - start)
+
+    def mark(stream: Any) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream())
+        return event
+
+    def elapsed(start: Any, end: Any) -> float | None:
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+    return mark, elapsed
 
 
 def _op_ids(ops: list) -> list[tuple]:

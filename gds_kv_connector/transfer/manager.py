@@ -21,7 +21,7 @@ import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, Protocol
 
 from gds_kv_connector.store.base import LoadFailure, LoadStopped, SaveOutcome, open_store
 from gds_kv_connector.engines.base import IoEngine
@@ -89,11 +89,21 @@ class ConnectorFailure(RuntimeError):
     """A promised transfer cannot complete; TensorRT-LLM treats this as fatal."""
 
 
+class LoadMeter(Protocol):
+    """What the manager tells about its loads to whoever estimates their speed
+    (``connector.load_policy.LoadRate``): bytes accepted and settled, and each batch's start and end."""
+
+    def queue(self, nbytes: int) -> None: ...
+    def started(self) -> None: ...
+    def ended(self, nbytes: int) -> None: ...
+
+
 class TransferManager:
     def __init__(self, pool: BlockPool, engine: IoEngine, kv: KvPool, settings: Settings, stats: Stats,
                  on_saved: Callable[[int], None] | None = None,
-                 record_event: Callable[[Any], Any] | None = None) -> None:
+                 record_event: Callable[[Any], Any] | None = None, load_meter: LoadMeter | None = None) -> None:
         self.pool, self.engine, self.kv, self.settings, self.stats = pool, engine, kv, settings, stats
+        self._load_meter = load_meter
         self._on_saved = on_saved  # bytes of files published, for the capacity guard
         # stream -> an event after the work queued on it so far (None for a host pool): recorded
         # for finished requests' saves only when some arrive, not every iteration
@@ -209,6 +219,8 @@ class TransferManager:
             if res_left is not None:
                 for res in _reservations_in(group):
                     res_left[res] = res_left.get(res, 0) + 1
+        if kind != "save" and self._load_meter is not None:
+            self._load_meter.queue(sum(b.nbytes for b in batches))
         self._inflight += batches
         self._queues[_QUEUE_OF[kind]].extend(batches)
         self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
@@ -288,7 +300,7 @@ class TransferManager:
                     future.set_result(self._run_save(op, batch.event, _save_in_time(batch, self.settings.deadline_s),
                                                      _views_done(batch), self._stage_next(batch)))
                 else:
-                    future.set_result(self._run_load(op, batch.event, batch.deadline, _load_in_time(batch)))
+                    future.set_result(self._timed_load(op, batch))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
             finally:
@@ -299,6 +311,21 @@ class TransferManager:
                         self._saving -= 1
                         if batch.ahead:
                             self._staged_saves -= 1
+
+    def _timed_load(self, op: LoadOp | _Merged, batch: _Batch) -> int:
+        """Run a load batch; with a load meter, timed from after its event (the forward it is ordered
+        after is not the storage's time) to its return, with the bytes it moved (0: failed or stopped)."""
+        meter = self._load_meter
+        if meter is None:
+            return self._run_load(op, batch.event, batch.deadline, _load_in_time(batch))
+        _wait_event(batch.event)
+        meter.started()
+        moved = 0
+        try:
+            moved = self._run_load(op, batch.event, batch.deadline, _load_in_time(batch))
+            return moved
+        finally:
+            meter.ended(moved)
 
     def _stage_next(self, batch: _Batch) -> Callable[[], None] | None:
         """A running save's ``on_staged`` (with ``stage_ahead``): its engine has staged its pages and
@@ -450,6 +477,8 @@ class TransferManager:
                 exc = CancelledError(f"load batch of {len(batch.ops)} request(s) cancelled before it ran")
             if not batch.released:
                 self._uncount(batch)
+            if kind != "save" and self._load_meter is not None:
+                self._load_meter.queue(-batch.nbytes)
             if kind == "load":
                 for op in batch.ops:
                     if not op.reservation:

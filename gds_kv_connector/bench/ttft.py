@@ -1,0 +1,603 @@
+"""gds-kv bench --ttft: time to first token when a prompt's prefix is computed, loaded from a
+host-memory pool, or loaded from a cold disk pool; and with TLLM_GDS_KV_LOAD_POLICY choosing.
+
+For each model geometry (``bench.ttft_model``: Llama-3.1-8B, a Llama-3.1-70B shard at TP 8), prompt
+length and pool, one cell: a fresh connector pair over a fresh pool, driven by the reference
+executor whose forward is the decoder's (``TtftExecutor``), with the KV pool tensor registered
+through ``register_kv_caches`` as TensorRT-LLM registers it.  In a cell, each run serves a new
+random prompt three times, one request at a time:
+
+* compute: nothing is in the pool; the whole prompt is computed (and saved, as the connector does);
+* load: the same prompt again, with every match loaded (``always``): its full blocks are loaded
+  into other pages, which are then compared byte for byte with the pages the first request computed;
+* policy: the same prompt again, under the policy (``--policy``), which loads or computes.
+
+Time to first token runs from the request's arrival to its first token on the host: admission and
+the match, the load (asynchronous: the request is parked, and resumes once the load is polled
+done), the forward of the uncached suffix and the greedy first token (``.item()``, which waits for
+the device).  A disk pool is cold for each load: page cache dropped (``/proc/sys/vm/drop_caches``
+where permitted, else ``posix_fadvise(DONTNEED)`` on each file; the row says which).  Each cell
+first serves a short prompt computed and then loaded (not reported), so the transfer threads'
+staging and the kernels are warm, as in a serving process; it also gives the policy its first
+measurements, as a serving process's earlier requests would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
+from gds_kv_connector.bench.common import drop_caches, git_commit, opt_version, sync_device
+from gds_kv_connector.bench.executor import connector_env
+from gds_kv_connector.bench.ttft_model import GEOMETRIES, Decoder, Geometry
+from gds_kv_connector.format.records import file_size_for
+from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, State, fake_llm_args
+from gds_kv_connector.simulator.model import PrefixHashes
+from gds_kv_connector.store.arena import HOST_FS_TYPES
+from gds_kv_connector.util.mounts import fs_type
+
+DEFAULT_MODELS = "llama-3.1-8b,llama-3.1-70b-tp8"
+DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k,64k,128k"
+QUICK_LENGTHS = "64,128,256,512"
+WARM_TOKENS = 2048  # the cell's warm-up prompt, at most
+# Cells of up to this many tokens are run --repeat times (the median reported): their times to first token
+# are tens of milliseconds, where one run is noisy; longer ones run once (their prompts' KV fills pools).
+REPEAT_MAX_TOKENS = 8192
+GROWTH = 2.5  # a cell is expected to take this many times the previous one's (twice the tokens, attention)
+SCRIBBLE = 0xA5
+# The issue's targets; the bench prints PASS/MISS and never asserts.
+HOST_TARGET = ("llama-3.1-8b", 32768, 0.10)  # host-memory pool: load TTFT at most this fraction of recompute
+POLICY_SLACK = 1.10  # with the policy: TTFT within 10% of the better of load and recompute
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gds-kv bench --ttft", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"tiny model, prompts of {QUICK_LENGTHS} tokens (CPU tests)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--models", help=f"model geometries, of {', '.join(GEOMETRIES)} (default {DEFAULT_MODELS}; "
+                   "--quick tiny)")
+    p.add_argument("--lengths", help=f"prompt lengths in tokens, k = 1024 (default {DEFAULT_LENGTHS}; --quick "
+                   f"{QUICK_LENGTHS})")
+    p.add_argument("--sources", default="shm,disk", help="pools to load from: shm (host memory, slot arena on "
+                   "tmpfs), disk (block files, cold page cache), or both")
+    p.add_argument("--policy", default="latency", choices=("latency", "throughput"),
+                   help="TLLM_GDS_KV_LOAD_POLICY of the policy runs")
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--repeat", type=int, help=f"runs of a cell of up to {REPEAT_MAX_TOKENS} tokens, each with a "
+                   "new prompt; the median is reported (default 3, 1 with --quick)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="time budget of the run: cells expected to end "
+                   "past their model's share of it are skipped, each with a line")
+    p.add_argument("--shm-dir", help="host-memory pool directory (default /dev/shm, else a temporary one)")
+    p.add_argument("--disk-dir", help="disk pool directory (default ./ttft-pool)")
+    p.add_argument("--no-drop-caches", action="store_true", help="never write /proc/sys/vm/drop_caches "
+                   "(posix_fadvise DONTNEED on each pool file is still used)")
+    p.add_argument("--json", help="result file (default gds-kv-ttft-<host>.json)")
+    p.add_argument("--png", help="plot file (default: the JSON path with .png)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``1k,2k,512`` -> [1024, 2048, 512]."""
+    return [int(float(t[:-1]) * 1024) if t.lower().endswith("k") else int(t) for t in text.split(",") if t]
+
+
+@dataclass
+class Run:
+    """The figures of one serving of a cell's prompt in each way."""
+
+    compute_s: float
+    load_s: float
+    policy_s: float
+    loaded_tokens: int
+    policy_loaded_tokens: int
+    verified: bool
+    estimate: dict[str, Any] = field(default_factory=dict)
+
+
+class _Unhashed(PrefixHashes):
+    """No per-token hashes: the reference model's, which the decoder replaces, cost a SHA-256 per token."""
+
+    def extend_to(self, tokens: list[int], n: int) -> None:
+        pass
+
+
+class TtftExecutor(ReferenceExecutor):
+    """The reference executor with the decoder's forward and greedy sampling: the connector's
+    callbacks, their order and the parking of asynchronously loaded requests are the executor's."""
+
+    def __init__(self, scheduler: Any, worker: Any, config: ExecutorConfig, decoder: Decoder) -> None:
+        self.decoder = decoder
+        super().__init__(scheduler, worker, config)
+        self.kv = decoder.pool_view(self.pool, config.shape.tokens_per_block)
+        self.first_token_at: dict[int, float] = {}
+        self.pages: dict[int, list[int]] = {}  # each request's pages at its first token
+        self._last: dict[int, torch.Tensor] = {}
+
+    def _forward(self, batch: list[SimRequest]) -> None:
+        dec = self.decoder
+        spans = []
+        for r in batch:
+            start, end = (r.pos, r.pos + self._chunk(r)) if r.state is State.CONTEXT else (len(r.tokens) - 1,
+                                                                                          len(r.tokens))
+            pages = torch.tensor(r.block_ids, device=self.pool.device)
+            spans.append([r, start, end, dec.embed_tokens(r.tokens[start:end]), pages, dec.rotary(start, end)])
+        for layer in range(dec.geo.layers):
+            self._timed(self.worker.wait_for_layer_load, layer, self._stream, layer_hook=True)
+            for span in spans:
+                span[3] = dec.layer(layer, span[3], self.kv, span[4], span[1], span[5])
+            self._timed(self.worker.save_kv_layer, layer, self._stream, layer_hook=True)
+        for r, start, end, x, _, _ in spans:
+            self._last[r.request_id] = x[-1]
+            self.stats.computed_tokens += end - start
+            if r.state is State.CONTEXT:
+                r.pos = end
+
+    def _sample_and_finish(self, batch: list[SimRequest]) -> None:
+        for r in batch:
+            if r.state is State.CONTEXT and r.pos < len(r.prompt):
+                continue
+            token = self.decoder.next_token(self._last.pop(r.request_id))
+            if not r.generated:
+                self.first_token_at[r.request_id] = time.perf_counter()
+                self.pages[r.request_id] = list(r.block_ids)
+            r.tokens.append(token)
+            r.generated += 1
+            self.stats.generated_tokens += 1
+            r.state = State.GENERATION
+            if r.generated >= r.max_new_tokens:
+                self._finish(r)
+
+
+@dataclass
+class Cell:
+    """One model, prompt length and pool, with what the run is allowed (args) and where its pool lives."""
+
+    geo: Geometry
+    decoder: Decoder
+    length: int
+    source: str
+    root: str
+    args: argparse.Namespace
+    arena_bytes: int = 0  # 0: block files
+    slab_bytes: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.length // self.args.tokens_per_block)
+
+    @property
+    def runs(self) -> int:
+        return self.args.repeat if self.length <= REPEAT_MAX_TOKENS else 1
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geo.kv_bytes_per_token * self.args.tokens_per_block
+
+
+def ttft(ex: TtftExecutor, rid: int, prompt: list[int]) -> tuple[float, int, list[int]]:
+    """Serve ``prompt`` as request ``rid`` alone: (seconds to its first token, tokens it loaded, its pages)."""
+    sync_device(ex.pool.device)
+    ex.submit(SimRequest(rid, prompt, max_new_tokens=1, hashes=_Unhashed()))
+    before = ex.stats.loaded_tokens
+    t0 = time.perf_counter()
+    ex.run_until_done()  # until its saves are done too: the next request finds them in the pool
+    return ex.first_token_at.pop(rid) - t0, ex.stats.loaded_tokens - before, ex.pages.pop(rid)
+
+
+def same_bytes(ex: TtftExecutor, a: list[int], b: list[int], chunk: int = 64) -> bool:
+    """Whether pages ``a`` and ``b`` hold the same bytes, compared ``chunk`` pages at a time."""
+    for i in range(0, len(a), chunk):
+        if not torch.equal(ex.pool_bytes[a[i:i + chunk]], ex.pool_bytes[b[i:i + chunk]]):
+            return False
+    return True
+
+
+def scribble_next(ex: TtftExecutor, n: int) -> None:
+    """Fill the pages the next request will get, so a load that writes nothing cannot pass the comparison."""
+    pages = list(ex.free)[:n]
+    ex.pool_bytes[torch.tensor(pages, device=ex.pool.device)] = SCRIBBLE
+
+
+@contextlib.contextmanager
+def _settings(**values: Any) -> Iterator[None]:
+    """TLLM_GDS_KV_* settings for what is built inside (each connector object reads them once, when made)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def rig(cell: Cell) -> Iterator[tuple[TtftExecutor, Any, Any]]:
+    """(executor, the scheduler that loads every match, the policy's scheduler) over a fresh pool.
+
+    The worker measures (it reads the policy's setting); the measuring scheduler reads ``always``.
+    Transfers get a deadline and a save backlog that a 128k-token prompt's KV on a slow disk fits."""
+    args = cell.args
+    tpb = args.tokens_per_block
+    shape = ModelShape(num_layers=cell.geo.layers, kv_factor=2,
+                       block_elems=tpb * cell.geo.kv_heads * cell.geo.head_dim, tokens_per_block=tpb,
+                       vocab=cell.geo.vocab)
+    cfg = ExecutorConfig(shape=shape, num_blocks=2 * cell.blocks + 2, max_batch=1, device=str(cell.decoder.device),
+                         transfer_timeout_s=900.0, idle_sleep_s=0.0002)
+    extra = {"TLLM_GDS_KV_DEADLINE_S": 600, "TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES": 0, "TLLM_GDS_KV_STATS_INTERVAL_S": 0}
+    if cell.arena_bytes:
+        extra["TLLM_GDS_KV_ARENA_SLAB_BYTES"] = cell.slab_bytes
+    os.makedirs(cell.root, exist_ok=True)
+    with connector_env(cell.root, cell.arena_bytes), _settings(**extra):
+        llm_args = fake_llm_args(tpb, model=f"gdskv-ttft-{cell.geo.name}")
+        with _settings(TLLM_GDS_KV_LOAD_POLICY=args.policy):
+            worker = GdsKvConnectorWorker(llm_args)
+            policy = GdsKvConnectorScheduler(llm_args)
+        measure = GdsKvConnectorScheduler(llm_args)
+        try:
+            ex = TtftExecutor(measure, worker, cfg, cell.decoder)
+            policy.wait_for_initialization()
+            if worker.pool.arena is not None:  # built in the background at start-up
+                worker.pool.arena.wait_ready(300)
+            yield ex, measure, policy
+        finally:
+            worker.shutdown()
+            shutil.rmtree(cell.root, ignore_errors=True)
+
+
+def _slab_bytes(need: int) -> int:
+    """Slabs of 256 MiB, smaller for a small arena (a quarter of it, at least 1 MiB: the setting's floor)."""
+    return max(1 << 20, min(256 << 20, (need // 4) >> 20 << 20))
+
+
+def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
+    """Serve the cell's prompts each way (module docstring); its row."""
+    args = cell.args
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(cell.geo.vocab) for _ in range(n)]
+    cold = drops = None
+    runs: list[Run] = []
+    with rig(cell) as (ex, measure, policy):
+        rid = iter(range(1, 1 << 30))
+        warm = prompt(min(cell.length, WARM_TOKENS))
+        ttft(ex, next(rid), warm)
+        drops = _cold(cell)
+        ttft(ex, next(rid), warm)
+        for _ in range(cell.runs):
+            p = prompt(cell.length)
+            ex.sched = measure
+            compute_s, _, computed_pages = ttft(ex, next(rid), p)
+            cold = _cold(cell) or cold
+            scribble_next(ex, cell.blocks)
+            load_s, loaded, pages = ttft(ex, next(rid), p)
+            verified = same_bytes(ex, computed_pages[:loaded // args.tokens_per_block],
+                                  pages[:loaded // args.tokens_per_block])
+            _cold(cell)
+            estimate = _estimate(ex.worker, loaded, cell.block_bytes // args.tokens_per_block)
+            ex.sched = policy
+            policy_s, policy_loaded, _ = ttft(ex, next(rid), p)
+            runs.append(Run(compute_s, load_s, policy_s, loaded, policy_loaded, verified, estimate))
+        stats = ex.worker.stats.snapshot()
+        engine = ex.worker.transfers.engine.data_path()
+    return _row(cell, runs, cold or drops, stats, engine)
+
+
+def _cold(cell: Cell) -> dict[str, Any] | None:
+    """Drop a disk pool's cached pages before a load; nothing for a host-memory pool."""
+    if cell.source != "disk":
+        return None
+    out = drop_caches([cell.root], not cell.args.no_drop_caches)
+    out["method"] = "drop_caches" if out["proc_drop_caches"] else "posix_fadvise(DONTNEED)"
+    return out
+
+
+def _estimate(worker: GdsKvConnectorWorker, tokens: int, bytes_per_token: int) -> dict[str, Any]:
+    """What the policy knows before its run: the load rate, and the expected times of the prefix."""
+    est = worker.estimates
+    rate = est.rate.bytes_per_s()
+    load_s = est.rate.seconds_for(tokens * bytes_per_token)
+    compute_s = est.forwards.cost.prefill_s(0, tokens)
+    return {"load_GBps": None if rate is None else round(rate / 1e9, 3),
+            "load_s": None if load_s is None else round(load_s, 6),
+            "compute_s": None if compute_s is None else round(compute_s, 6)}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _row(cell: Cell, runs: list[Run], cold: dict | None, stats: dict[str, int], engine: str) -> dict[str, Any]:
+    compute_s = _median([r.compute_s for r in runs])
+    load_s = _median([r.load_s for r in runs])
+    policy_s = _median([r.policy_s for r in runs])
+    loaded = runs[0].loaded_tokens
+    per_token = cell.geo.kv_bytes_per_token
+    return {
+        "model": cell.geo.name, "prompt_tokens": cell.length, "source": cell.source,
+        "pool": "slot arena" if cell.arena_bytes else "block files", "engine": engine,
+        "ttft_compute_s": round(compute_s, 6), "ttft_load_s": round(load_s, 6), "ttft_policy_s": round(policy_s, 6),
+        "ratio": round(load_s / compute_s, 4),
+        "policy_vs_best": round(policy_s / min(load_s, compute_s), 4),
+        "policy_loaded": [r.policy_loaded_tokens > 0 for r in runs],
+        "loaded_tokens": loaded, "loaded_bytes": loaded * per_token, "kv_bytes_per_token": per_token,
+        "break_even_GBps": round(per_token * cell.length / compute_s / 1e9, 3),
+        "load_GBps": round(loaded * per_token / load_s / 1e9, 3),
+        "verified": all(r.verified for r in runs) and bool(loaded),
+        "runs": {"compute_s": [round(r.compute_s, 6) for r in runs], "load_s": [round(r.load_s, 6) for r in runs],
+                 "policy_s": [round(r.policy_s, 6) for r in runs]},
+        "policy_estimate": runs[-1].estimate, "cold": cold,
+        "policy_loads_declined": stats.get("policy_loads_declined", 0),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = _device(args.device)
+    if device is None:
+        print("gds-kv bench --ttft: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    models = (args.models or ("tiny" if args.quick else DEFAULT_MODELS)).split(",")
+    unknown = [m for m in models if m not in GEOMETRIES]
+    if unknown:
+        print(f"gds-kv bench --ttft: unknown model(s) {', '.join(unknown)}; known: {', '.join(GEOMETRIES)}",
+              file=sys.stderr)
+        return 2
+    lengths = parse_lengths(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
+    sources = [s for s in args.sources.split(",") if s]
+    json_path = args.json or f"gds-kv-ttft-{socket.gethostname()}.json"
+    res = _header(args, device, models, lengths, sources, argv if argv is not None else sys.argv[1:])
+    bases = _pool_bases(args, sources, res["notes"])
+    t0 = time.monotonic()
+    try:
+        for i, name in enumerate(models):
+            deadline = t0 + args.budget_s * (i + 1) / len(models)
+            _run_model(GEOMETRIES[name], device, lengths, bases, args, deadline, res, t0)
+    finally:
+        for base in bases.values():
+            shutil.rmtree(base["dir"], ignore_errors=True)
+            if base.get("made_parent"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(base["dir"]))
+    res["meta"]["wall_s"] = round(time.monotonic() - t0, 2)
+    res["targets"] = evaluate_targets(res["rows"])
+    res["meta"]["plot"] = plot(res, args.png or os.path.splitext(json_path)[0] + ".png")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)) or ".", exist_ok=True)
+    with open(json_path, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    print(render(res))
+    print(f"\nJSON: {os.path.abspath(json_path)}\nplot: {res['meta']['plot']}\nwall: {res['meta']['wall_s']} s")
+    return 1 if res["errors"] else 0
+
+
+def _device(choice: str) -> torch.device | None:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _header(args: argparse.Namespace, device: torch.device, models: list[str], lengths: list[int],
+            sources: list[str], argv: list[str]) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    return {
+        "meta": {"hostname": socket.gethostname(), "git": git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+                 "python": platform.python_version(), "kvikio": opt_version("kvikio"),
+                 "argv": argv},
+        "config": {"models": {m: vars(GEOMETRIES[m]) for m in models}, "lengths": lengths, "sources": sources,
+                   "policy": args.policy, "tokens_per_block": args.tokens_per_block, "repeat": args.repeat,
+                   "budget_s": args.budget_s, "drop_caches_global": not args.no_drop_caches},
+        "units": {"s": "seconds, wall clock on the host", "GBps": "1e9 bytes per second"},
+        "rows": [], "skipped": [], "notes": [], "errors": [],
+    }
+
+
+def _pool_bases(args: argparse.Namespace, sources: list[str], notes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each source's directory (a fresh one inside the given or default parent) and whether it runs an arena."""
+    bases: dict[str, dict[str, Any]] = {}
+    tag = f"gdskv-ttft-{os.getpid()}"
+    if "shm" in sources:
+        parent = args.shm_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+        os.makedirs(parent, exist_ok=True)
+        arena = fs_type(parent) in HOST_FS_TYPES
+        if not arena:
+            notes.append(f"host-memory pool {parent} is on {fs_type(parent)}, not tmpfs: block files, no arena")
+        bases["shm"] = {"dir": os.path.join(parent, tag), "arena": arena}
+    if "disk" in sources:
+        parent = os.path.abspath(args.disk_dir or "ttft-pool")
+        made = not os.path.isdir(parent)
+        os.makedirs(parent, exist_ok=True)
+        bases["disk"] = {"dir": os.path.join(parent, tag), "arena": False, "made_parent": made and not args.disk_dir}
+    return bases
+
+
+def _run_model(geo: Geometry, device: torch.device, lengths: list[int], bases: dict[str, dict[str, Any]],
+               args: argparse.Namespace, deadline: float, res: dict[str, Any], t0: float) -> None:
+    """Every cell of one model, shortest prompts first; a cell that does not fit, or would end past
+    ``deadline``, is skipped with a line."""
+    _progress(args, t0, f"{geo.name}: random weights ({geo.weight_bytes() / 1e9:.1f} GB)")
+    decoder = Decoder(geo, device)
+    last: dict[str, float] = {}
+    try:
+        for length in lengths:
+            for source, base in bases.items():
+                cell = _cell(geo, decoder, length, source, base, args)
+                why = _skip_reason(cell, deadline, last.get(source))
+                if why:
+                    _skip(res, cell, why)
+                    continue
+                _progress(args, t0, f"{geo.name} {length} tokens, {source}")
+                started = time.monotonic()
+                try:
+                    res["rows"].append(run_cell(cell, seed=length))
+                except Exception as exc:  # noqa: BLE001 - one cell's failure is recorded; the run goes on
+                    res["errors"].append(f"{geo.name} {length} {source}: {type(exc).__name__}: {exc}")
+                    print(f"error: {res['errors'][-1]}", file=sys.stderr)
+                last[source] = time.monotonic() - started
+                _free_device(device)
+    finally:
+        del decoder
+        _free_device(device)
+
+
+def _cell(geo: Geometry, decoder: Decoder, length: int, source: str, base: dict[str, Any],
+          args: argparse.Namespace) -> Cell:
+    cell = Cell(geo, decoder, length, source, os.path.join(base["dir"], f"{geo.name}-{length}"), args)
+    if base["arena"]:  # room for every block the cell saves, and a slab to spare
+        need = _pool_need(cell)
+        cell.slab_bytes = _slab_bytes(need)
+        cell.arena_bytes = cell.slab_bytes * (-(-need // cell.slab_bytes) + 1)
+    return cell
+
+
+def _pool_need(cell: Cell) -> int:
+    """Pool bytes the cell saves: its prompt once per run and the warm-up prompt, a block more each."""
+    per_prompt = (cell.blocks + 1) * file_size_for(cell.block_bytes)
+    return (cell.runs + 1) * per_prompt + 2 * file_size_for(cell.block_bytes)
+
+
+def _skip_reason(cell: Cell, deadline: float, previous_s: float | None) -> str | None:
+    """Why the cell cannot run here and now, or None."""
+    if previous_s is not None and time.monotonic() + GROWTH * previous_s > deadline:
+        return f"time budget (the previous length took {previous_s:.0f} s)"
+    need = (2 * cell.blocks + 2) * cell.block_bytes + cell.geo.activation_bytes(cell.length)
+    room = _device_room(cell.decoder.device)
+    if need > room:
+        return f"needs {need / 2**30:.1f} GiB of {cell.decoder.device.type} memory, {room / 2**30:.1f} GiB free"
+    parent = os.path.dirname(os.path.dirname(cell.root))
+    free = shutil.disk_usage(parent).free
+    pool = cell.arena_bytes or _pool_need(cell)
+    if pool > 0.9 * free:
+        return f"its pool needs {pool / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free in {parent}"
+    return None
+
+
+def _device_room(device: torch.device) -> int:
+    """Bytes a cell may take on ``device``: free memory plus what the caching allocator holds unused."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.95 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
+    return int(0.8 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _free_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _skip(res: dict[str, Any], cell: Cell, why: str) -> None:
+    res["skipped"].append({"model": cell.geo.name, "prompt_tokens": cell.length, "source": cell.source, "reason": why})
+    print(f"skipped {cell.geo.name} {cell.length} tokens from {cell.source}: {why}", file=sys.stderr, flush=True)
+
+
+def _progress(args: argparse.Namespace, t0: float, msg: str) -> None:
+    if not args.no_progress:
+        print(f"[ttft {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets against the rows: PASS, MISS, or not run."""
+    model, length, most = HOST_TARGET
+    host = [r for r in rows if r["model"] == model and r["prompt_tokens"] == length and r["source"] == "shm"]
+    worst = max(rows, key=lambda r: r["policy_vs_best"], default=None)
+    return [
+        {"name": f"host-memory pool, {model}, {length // 1024}k-token prefix: load TTFT / recompute TTFT",
+         "goal": f"<= {most}", "value": host[0]["ratio"] if host else None,
+         "pass": (host[0]["ratio"] <= most) if host else None},
+        {"name": "policy TTFT / min(load, recompute), worst row", "goal": f"<= {POLICY_SLACK}",
+         "value": worst["policy_vs_best"] if worst else None,
+         "where": f"{worst['model']} {worst['prompt_tokens']} {worst['source']}" if worst else None,
+         "pass": (worst["policy_vs_best"] <= POLICY_SLACK) if worst else None},
+    ]
+
+
+def render(res: dict[str, Any]) -> str:
+    meta = res["meta"]
+    lines = [f"gds-kv bench --ttft  host={meta['hostname']}  device={meta['device']}  torch={meta['torch']}  "
+             f"policy={res['config']['policy']}",
+             f"  {'model':<18} {'tokens':>7} {'pool':<5} {'compute':>9} {'load':>9} {'ratio':>6} {'policy':>9} "
+             f"{'pol/best':>8} {'policy did':<10} {'break-even':>10} {'load':>7}  verified  cold",
+             f"  {'':<18} {'':>7} {'':<5} {'ms':>9} {'ms':>9} {'':>6} {'ms':>9} {'':>8} {'':<10} {'GB/s':>10} "
+             f"{'GB/s':>7}"]
+    for r in res["rows"]:
+        did = "/".join("load" if x else "compute" for x in r["policy_loaded"])
+        cold = (r["cold"] or {}).get("method", "-")
+        lines.append(f"  {r['model']:<18} {r['prompt_tokens']:>7} {r['source']:<5} {1e3 * r['ttft_compute_s']:>9.1f} "
+                     f"{1e3 * r['ttft_load_s']:>9.1f} {r['ratio']:>6.3f} {1e3 * r['ttft_policy_s']:>9.1f} "
+                     f"{r['policy_vs_best']:>8.3f} {did[:10]:<10} {r['break_even_GBps']:>10.2f} "
+                     f"{r['load_GBps']:>7.2f}  {'yes' if r['verified'] else 'NO':<8}  {cold}")
+    lines.append("  ratio = load TTFT / recompute TTFT; break-even = KV bytes per token x prompt tokens per second "
+                 "of recompute; load GB/s = KV loaded / load TTFT")
+    for s in res["skipped"]:
+        lines.append(f"  skipped {s['model']} {s['prompt_tokens']} {s['source']}: {s['reason']}")
+    for t in res.get("targets", []):
+        verdict = "not run" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
+        where = f" ({t['where']})" if t.get("where") else ""
+        lines.append(f"  [{verdict}] {t['name']}: {t['value']}{where} (goal {t['goal']})")
+    lines += [f"note: {n}" for n in res["notes"]] + [f"error: {e}" for e in res["errors"]]
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: str) -> str:
+    """TTFT against prompt length, one panel per model, a line per source and way; skipped with a
+    line where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed (pip install matplotlib)"
+    models = list(dict.fromkeys(r["model"] for r in res["rows"]))
+    if not models:
+        return "skipped: no rows"
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in res["rows"] if r["model"] == model]
+        for source in dict.fromkeys(r["source"] for r in rows):
+            mine = sorted((r for r in rows if r["source"] == source), key=lambda r: r["prompt_tokens"])
+            x = [r["prompt_tokens"] for r in mine]
+            ax.plot(x, [r["ttft_compute_s"] for r in mine], "k--" if source == "shm" else "k:",
+                    label=f"recompute ({source} cells)")
+            ax.plot(x, [r["ttft_load_s"] for r in mine], "o-", label=f"load from {source}")
+            ax.plot(x, [r["ttft_policy_s"] for r in mine], "x-", label=f"policy, {source}")
+        ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT (s)", title=model)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return os.path.abspath(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

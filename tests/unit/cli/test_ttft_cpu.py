@@ -1,0 +1,81 @@
+"""gds-kv bench --ttft --quick on CPU: every cell runs end to end through the connector, its JSON holds
+the times, ratios and break-even bandwidths, and a loaded prefix is the computed one byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gds_kv_connector.bench import ttft
+from tests.support import REPO
+
+QUICK_LENGTHS = [64, 128, 256, 512]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a GPU machine
+    return env
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ttft")
+    out = tmp / "ttft.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gds_kv_connector.bench.main", "--ttft", "--quick", "--device", "cpu",
+         "--json", str(out), "--disk-dir", str(tmp / "disk"), "--no-drop-caches", "--no-progress"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"rc {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    with open(out) as fh:
+        return json.load(fh), proc.stdout, tmp
+
+
+def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
+    res, stdout, _ = quick_run
+    assert res["errors"] == [] and res["skipped"] == []
+    assert {(r["prompt_tokens"], r["source"]) for r in res["rows"]} == {
+        (n, s) for n in QUICK_LENGTHS for s in ("shm", "disk")}
+    for r in res["rows"]:
+        assert r["model"] == "tiny" and r["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
+        assert min(r["ttft_compute_s"], r["ttft_load_s"], r["ttft_policy_s"]) > 0
+        assert r["ratio"] == pytest.approx(r["ttft_load_s"] / r["ttft_compute_s"], rel=0.02)
+        assert r["policy_vs_best"] == pytest.approx(
+            r["ttft_policy_s"] / min(r["ttft_load_s"], r["ttft_compute_s"]), rel=0.02)
+        # every full block but the one holding the last prompt token (always computed) was loaded
+        assert r["loaded_tokens"] == (r["prompt_tokens"] - 1) // 32 * 32
+        assert r["break_even_GBps"] == pytest.approx(
+            r["kv_bytes_per_token"] * r["prompt_tokens"] / r["ttft_compute_s"] / 1e9, rel=0.01, abs=1e-3)
+        assert len(r["policy_loaded"]) == len(r["runs"]["policy_s"]) == 1
+        assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "compute_s"}
+    disk = [r for r in res["rows"] if r["source"] == "disk"]
+    assert all(r["cold"]["method"] == "posix_fadvise(DONTNEED)" and r["cold"]["fadvise_files"] > 0 for r in disk)
+    assert [t["pass"] for t in res["targets"]][0] is None  # the 8B target is not run at --quick
+    assert "ratio = load TTFT / recompute TTFT" in stdout and "JSON:" in stdout
+
+
+def test_loaded_blocks_equal_the_computed_ones_byte_for_byte(quick_run):
+    res, _, _ = quick_run
+    assert all(r["verified"] for r in res["rows"])
+
+
+def test_a_load_that_writes_nothing_fails_the_comparison(tmp_path, monkeypatch):
+    """The loaded pages are filled with another byte first, so only a load that wrote them passes."""
+    from gds_kv_connector.transfer.manager import TransferManager
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(TransferManager, "_run_load",
+                        lambda self, op, event, deadline, in_time: len(op.keys) * self.pool.payload_len)
+    out = tmp_path / "ttft.json"
+    rc = ttft.main(["--quick", "--device", "cpu", "--lengths", "64", "--sources", "disk", "--json", str(out),
+                    "--disk-dir", str(tmp_path / "disk"), "--no-drop-caches", "--no-progress"])
+    res = json.loads(out.read_text())
+    assert rc == 0 and [r["verified"] for r in res["rows"]] == [False]
+
+
+def test_lengths_take_k_for_1024():
+    assert ttft.parse_lengths("1k,2k,512,128k") == [1024, 2048, 512, 131072]
