@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Tuple
 import torch
 
 from gds_kv_connector.connector.cancel_board import CancelReader
-from gds_kv_connector.maintenance.capacity import CapacityGuard
+from gds_kv_connector.maintenance.capacity import CapacityGuard, PromisedKeys
 from gds_kv_connector.engines.select import make_engine
 from gds_kv_connector.engines.fileops import FileOps
 from gds_kv_connector.format.keys import PoolGeometry, shard_fingerprint
@@ -115,6 +115,9 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.kv = kv
         self.recency = RecencyLog.for_process(self.settings.roots)
         self.capacity = CapacityGuard.from_settings(self.settings, recency=self.recency, stats=self.stats)
+        if self.pool.arena is not None:  # a full arena keeps the blocks any owner promised, as every remover
+            self.pool.arena.promised = PromisedKeys(self.pool.root_of, self.pool.roots, self.recency,
+                                                    self.capacity.grace_s)
         self.stats_publisher = StatsPublisher(self.settings.roots, self.recency.owner_id, self._snapshot,
                                               self.settings.stats_interval_s)
         if self.settings.load_policy != "always":

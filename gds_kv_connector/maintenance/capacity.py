@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from gds_kv_connector.util.atomic_file import WriterMark
@@ -173,3 +173,26 @@ class CapacityGuard:
                             "%.0f s grace", root, rep.evicted_bytes, rep.target_bytes, rep.protected_blocks,
                             self.grace_s)
         self.last_reports = reports
+
+
+class PromisedKeys:
+    """Which blocks some owner of the pool promised or used within the evictor's grace, from every
+    owner's access log (this owner's queued records included): what a remover other than the
+    evictor, the arena taking back its own least recently used slots, must keep.  Logs are read
+    incrementally and only when asked, on the transfer thread that needs a slot."""
+
+    def __init__(self, root_of: Callable[[bytes], int], roots: Sequence[str], recency: RecencyLog | None,
+                 grace_s: float) -> None:
+        self._root_of = root_of
+        self._indexes = [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i))
+                         for i, r in enumerate(roots)]
+        self._grace_ns = int(grace_s * 1e9)
+        self._lock = threading.Lock()  # several transfer threads may need slots at once
+
+    def __call__(self, keys: list[bytes]) -> list[bool]:
+        cutoff = time.time_ns() - self._grace_ns
+        with self._lock:
+            latest = [index.refresh() for index in self._indexes]
+        root_of = self._root_of
+        return [latest[root_of(k)].get(k, 0) >= cutoff for k in keys]
+

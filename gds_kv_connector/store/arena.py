@@ -167,6 +167,9 @@ class SlotArena:
             raise ArenaError(f"arena of {capacity_bytes} bytes holds no slot of {self.slot_bytes} bytes")
         self.reuse_delay_s = reuse_delay_s
         self.clock = clock
+        # Which of the keys given some owner has promised or used within the eviction grace (set by the
+        # owner's worker from the access logs): a full arena never evicts those, as no remover may.
+        self.promised: Callable[[list[bytes]], list[bool]] | None = None
         self.dir = os.path.join(pool.fp_dirs[0], SLABS_DIR)
         pool.makedirs(self.dir)
         self._lock = threading.Lock()
@@ -706,6 +709,18 @@ class SlotArena:
         with self._lock:
             self._free.appendleft((self.clock(), slab, slot, 1))
 
+    def _not_promised(self, candidates: list[tuple[int, SlotRef]], want: int) -> list[tuple[int, SlotRef]]:
+        """The first ``want`` candidates no owner promised or used within the grace: a block another
+        owner matched must stay until its load pins it, and the least recently used order of this
+        owner's own slots does not know of other owners' accesses.  None left: the save falls back to
+        block files, which cost speed, never a promise."""
+        keep = self.promised([r.key for _, r in candidates])  # type: ignore[misc]
+        victims = [c for c, kept in zip(candidates, keep) if not kept][:want]
+        skipped = sum(keep)
+        if skipped:
+            self.stats["evict_skipped_promised"] += skipped
+        return victims
+
     def _reclaim(self, need: int) -> None:
         """Free slots whose reference is gone; if those and the slots still cooling are not enough,
         evict this owner's least recently used blocks (up to a batch of capacity/32 cooling, ahead
@@ -734,7 +749,10 @@ class SlotArena:
                 have = len(freed) + sum(map(_COUNT, self._free))
                 if have < need:
                     want = max(need, self.capacity_slots // 32) - have
-                    victims = list(itertools.islice(((p, r) for p, r in self._used.items() if p not in judged), want))
+                    scan = 4 * want if self.promised is not None else want
+                    victims = list(itertools.islice(((p, r) for p, r in self._used.items() if p not in judged), scan))
+            if victims and self.promised is not None:
+                victims = self._not_promised(victims, want)
         evicted = 0
         for pos, mine in victims:
             try:

@@ -183,3 +183,34 @@ def test_over_quota_and_short_of_space_references_go_only_for_the_quota(shm_root
     assert (rep.evicted_blocks, rep.evicted_bytes) == (4, _ref_size(4))  # one reference file's names
     assert len(scan_pool(shm_root).blocks) == 12
     a.arena.close()
+
+
+# -- 5. promises: the arena taking back its own slots keeps what any owner promised ------------------
+def test_a_full_arena_keeps_blocks_another_owner_promised(shm_root, engine):
+    """Owner a's arena is full; owner b matched two of a's blocks (its promise is a record in its own
+    access log).  When a needs slots, it evicts its least recently used blocks but none b promised:
+    b's load still finds them, where it used to fail (fatal to b's process)."""
+    from gds_kv_connector.maintenance.capacity import PromisedKeys
+    from gds_kv_connector.maintenance.recency import RecencyLog
+    from tests.unit.store.test_arena import _load
+
+    a = _pool(shm_root, engine, 4, per_slab=4)
+    old = _keys(4, b"promised-old")
+    d = _data(4, 7)
+    assert open_store(a, engine).save(old, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4
+    b_log = RecencyLog((shm_root,), owner_id="owner-b")
+    b_log.promise(old[:2])  # b matched the two least recently used blocks
+    b_log.flush()
+    a.arena.promised = PromisedKeys(a.root_of, a.roots, None, grace_s=60.0)
+    new = _keys(2, b"needs-slots")
+    out = open_store(a, engine).save(new, [ZERO_KEY] * 2, [_data(2, 8)[i] for i in range(2)])
+    assert out.published == 2
+    usage = a.arena.usage()
+    print(f"evicted {usage['evicted']}, skipped as promised {a.arena.stats['evict_skipped_promised']}")
+    assert a.arena.stats["evict_skipped_promised"] >= 2
+    for k in old[:2]:
+        a.forget(k)
+        assert a.contains(k), "a promised block was evicted"
+    assert (_load(a, engine, old[:2]) == d[:2]).all()  # what b's load reads
+    b_log.close()
+    a.arena.close()
