@@ -5,6 +5,10 @@ from round to round, so each owner loads prefixes the other saved.  Phase 2 is a
 (a restart) over the same pool, which must hit the blocks phase 1 published.  Every answer is
 checked against the deterministic model and every loaded block is verified byte for byte by the
 reference executor before use, on top of the connector's own checksum.
+
+Phase 1 is named by what it found: a cold pool where its first round loaded nothing, a warm one
+where an earlier run had left the blocks.  An owner's failure (a bad setting included) ends the demo
+with one line naming it; progress bars are drawn only on a terminal.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from gds_kv_connector.simulator.executor import ExecutorConfig
 from gds_kv_connector.simulator.model import ModelShape
-from gds_kv_connector.simulator.workload import Workload, owner_process
+from gds_kv_connector.simulator.workload import PEER_FAILED, Workload, owner_process
+
+
+class DemoFailed(RuntimeError):
+    """An owner process failed or died: the demo ends with this one line (exit 1)."""
 
 
 def run_phase(name: str, owners: int, workload: Workload, cfg: ExecutorConfig, env: dict[str, str],
@@ -43,7 +52,7 @@ def run_phase(name: str, owners: int, workload: Workload, cfg: ExecutorConfig, e
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"{dead[0].name} died with exit code {dead[0].exitcode}") from None
+                    raise DemoFailed(f"{dead[0].name} died with exit code {dead[0].exitcode}") from None
                 continue
             if kind == "round":
                 bar.update(1)
@@ -55,9 +64,10 @@ def run_phase(name: str, owners: int, workload: Workload, cfg: ExecutorConfig, e
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    errors = [f"owner {r['owner']}: {r['error']}" for r in reports if r["error"]]
-    if errors:
-        raise RuntimeError("; ".join(errors))
+    failed = [r for r in reports if r["error"]]
+    first = [r for r in failed if r["error"] != PEER_FAILED] or failed
+    if first:
+        raise DemoFailed("; ".join(f"owner {r['owner']}: {r['error']}" for r in first))
     return sorted(reports, key=lambda r: r["owner"])
 
 
@@ -95,12 +105,32 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{c.get('load_failures', 0)} load failures")
 
 
+def phase1_name(reports: list[dict[str, Any]]) -> str:
+    """Phase 1 by what it met: a cold pool where its first round loaded nothing, else a warm one."""
+    warm = any(r["rounds"] and r["rounds"][0]["loaded_tokens"] for r in reports)
+    return "phase 1: warm pool (blocks an earlier run left)" if warm else "phase 1: cold pool"
+
+
 def main(root: str, device: str = "auto", owners: int = 2, conversations: int = 6, rounds: int = 3,
          json_out: str | None = None, progress: bool = True, block_elems: int = 8192) -> int:
+    """Run the demo over ``root`` (one or several roots, ':'-separated); 0 when every answer matched
+    and the restart hit, 1 when not or when an owner failed (its one line on stderr)."""
+    try:
+        return _run(root, device, owners, conversations, rounds, json_out, progress, block_elems)
+    except DemoFailed as exc:
+        print(f"gds-kv demo: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(root: str, device: str, owners: int, conversations: int, rounds: int, json_out: str | None,
+         progress: bool, block_elems: int) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    root = os.path.abspath(root)
-    os.makedirs(root, exist_ok=True)
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    root = ":".join(os.path.abspath(r) for r in root.split(":") if r)
+    for r in root.split(":"):
+        os.makedirs(r, exist_ok=True)
     env = {"TLLM_GDS_KV_ROOT": root, "TLLM_GDS_KV_ASYNC_LOAD_BYTES": "256KiB"}
     if device == "cuda":
         env.setdefault("KVIKIO_COMPAT_MODE", os.environ.get("KVIKIO_COMPAT_MODE", "AUTO"))
@@ -111,8 +141,8 @@ def main(root: str, device: str = "auto", owners: int = 2, conversations: int = 
           f"{rounds} rounds sharing a {workload.system_tokens}-token system prompt; block = "
           f"{shape.tokens_per_block} tokens = {shape.block_bytes / 2**10:.0f} KiB")
     t0 = time.perf_counter()
-    phases = [summarize("phase 1: cold pool", run_phase("phase1", owners, workload, cfg, env, progress),
-                        shape.block_bytes),
+    first = run_phase("phase1", owners, workload, cfg, env, progress)
+    phases = [summarize(phase1_name(first), first, shape.block_bytes),
               summarize("phase 2: restart (fresh process, same pool)", run_phase("phase2", 1, workload, cfg, env,
                                                                                  progress), shape.block_bytes)]
     for s in phases:
@@ -132,21 +162,8 @@ def main(root: str, device: str = "auto", owners: int = 2, conversations: int = 
     return 0 if ok else 1
 
 
-def _progress_bar(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc=desc, unit="owner-round", disable=not enabled, file=sys.stderr)
-    except ImportError:
-        class _Plain:
-            def __init__(self) -> None:
-                self.n = 0
-
-            def update(self, k: int) -> None:
-                self.n += k
-                if enabled:
-                    print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def close(self) -> None:
-                if enabled:
-                    print(file=sys.stderr)
-        return _Plain()
+def _progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
+    """A bar on stderr only where it is a terminal: redrawn with carriage returns, it would litter a
+    log file with every state it passed through."""
+    return tqdm(total=total, desc=desc, unit="owner-round", disable=not (enabled and sys.stderr.isatty()),
+                file=sys.stderr)

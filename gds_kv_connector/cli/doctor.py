@@ -7,7 +7,12 @@ that a slow run can be traced to the link that broke.
 
 Every check is bounded: KvikIO and cuFile calls run on daemon threads with timeouts, because on a
 host with libcufile but no usable driver they can block forever, and ``driver_open`` is never
-called.  On a CPU-only machine the report is complete in well under a second.
+called.  Torch is imported only where an NVIDIA driver is loaded (without one it could see no
+device, and its import alone takes seconds), so on a CPU-only machine the report is complete in well
+under a second.
+
+Each root must be a directory this process can create files in (or one it can create), with room
+for the slot arena: ``gds-kv doctor`` exits 1 and ``gds-kv settings --check`` fails where one is not.
 """
 
 from __future__ import annotations
@@ -17,16 +22,21 @@ import importlib.util
 import mmap
 import os
 import secrets
+import stat
 import sys
 import threading
 from typing import Any, Callable
 
 from gds_kv_connector.format import native
 from gds_kv_connector.store.arena import HOST_FS_TYPES, slab_kind
+from gds_kv_connector.store.pool import file_kind
 from gds_kv_connector.util.mounts import mount_of
 from gds_kv_connector.config.settings import Settings, SettingsError
 
 CALL_TIMEOUT_S = 15.0
+# Where a loaded NVIDIA driver shows (its kernel module; its device; WSL's GPU device): without one
+# torch sees no CUDA device, so it is not imported to be told so
+NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")
 # ext4 and XFS on local NVMe, plus the distributed filesystems with vendor GDS support.
 GDS_FILESYSTEMS = frozenset({"ext4", "xfs", "lustre", "nfs", "nfs4", "wekafs", "gpfs", "beegfs"})
 _ENV_KEYS = ("KVIKIO_COMPAT_MODE", "KVIKIO_NTHREADS", "KVIKIO_TASK_SIZE", "KVIKIO_GDS_THRESHOLD",
@@ -51,14 +61,15 @@ def doctor_report(root: str | None, probe: bool = True) -> dict[str, Any]:
         "nvidia_fs": _nvidia_fs_facts(),
         "run_udev_readable": os.path.isdir("/run/udev") and os.access("/run/udev", os.R_OK | os.X_OK),
         "cufile_json": _cufile_json_facts(),
-        "roots": [_root_facts(r) for r in (root or "").split(":") if r],
         "compat_io": _compat_io(),
         "arena_bytes": _arena_bytes(),
     }
+    report["roots"] = [root_facts(r, report["arena_bytes"]) for r in (root or "").split(":") if r]
     report["probe"] = _probe_facts(report) if probe else {"ran": False, "ok": None, "reason": "not requested"}
     report["warnings"] = _warnings(report)
     report["hints"] = _hints(report)
     report["verdict"] = _verdict(report)
+    report["exit_code"] = 1 if any(r["problem"] for r in report["roots"]) else 0
     return report
 
 
@@ -92,14 +103,16 @@ def format_doctor(report: dict[str, Any]) -> str:
         lines.append(f"env {key}={value}")
     for r in report["roots"]:
         if not r["exists"]:
-            lines.append(f"root {r['path']}: does not exist")
+            lines.append(f"root {r['path']}: {r['problem'] or r['note']}")
             continue
-        odirect = "ok" if r["o_direct_write"] else f"failed ({r['o_direct_error']})"
+        odirect = {True: "ok", None: "not tried"}.get(r["o_direct_write"], f"failed ({r['o_direct_error']})")
         lines.append(f"root {r['path']}: {r['fs_type']} ({r['mount_source']} on {r['mount_point']}), "
                      f"O_DIRECT 4 KiB write {odirect}, {_gib(r['free_bytes'])} free of {_gib(r['total_bytes'])}")
         if report["arena_bytes"]:
             kind = slab_kind(r["fs_type"] in HOST_FS_TYPES)
             lines.append(f"  slot arena: {_gib(report['arena_bytes'])} per owner, {kind} (TLLM_GDS_KV_ARENA_BYTES)")
+        if r["problem"]:
+            lines.append(f"  unusable: {r['problem']}")
     p = report["probe"]
     lines.append(f"cuFile probe: {'not run' if not p['ran'] else ('ok' if p['ok'] else 'FAILED')} ({p['reason']})")
     lines.extend(f"warning: {w}" for w in report["warnings"])
@@ -130,6 +143,9 @@ def _bounded(fn: Callable[[], Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
 
 
 def _torch_facts() -> dict[str, Any]:
+    if not any(map(os.path.exists, NVIDIA_DRIVER_PATHS)):
+        return {"version": _package_facts("torch", ("torch",))["version"], "cuda_version": None,
+                "cuda_available": False, "error": "no NVIDIA driver is loaded"}
     import torch
 
     facts: dict[str, Any] = {"version": torch.__version__, "cuda_version": torch.version.cuda,
@@ -220,16 +236,60 @@ def _cufile_json_facts() -> dict[str, Any]:
     return {"path": path, "exists": os.path.isfile(path), "source": "CUFILE_ENV_PATH_JSON" if env else "default"}
 
 
-def _root_facts(root: str) -> dict[str, Any]:
-    facts: dict[str, Any] = {"path": root, "exists": os.path.isdir(root)}
-    if not facts["exists"]:
+def root_facts(root: str, arena_bytes: int = 0) -> dict[str, Any]:
+    """What a pool root is and whether an owner could serve from it: ``exists`` (a directory, whose
+    filesystem facts follow), ``problem`` (one line, or None: usable) and ``note`` (a root the
+    connector would create).  A root must be a directory this process can create files in, found by
+    creating one (permissions, a read-only mount, an immutable directory and a server's squashing
+    all show there, and nowhere else for sure), with room for ``arena_bytes`` of slabs; a missing
+    one must be creatable (its nearest existing parent must be such a directory)."""
+    facts: dict[str, Any] = {"path": root, "exists": False, "problem": None, "note": ""}
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        parent = _nearest_existing(root)
+        why = _cannot_create_in(parent)
+        facts["note"] = f"does not exist; the connector creates it in {parent}"
+        if why:
+            facts["problem"] = f"does not exist, and cannot be created in {parent} ({why})"
         return facts
+    except OSError as exc:
+        facts["problem"] = f"cannot be looked at ({exc.strerror})"
+        return facts
+    if not stat.S_ISDIR(st.st_mode):
+        facts["problem"] = f"is a {file_kind(st.st_mode)}, not a directory"
+        return facts
+    facts["exists"] = True
     facts.update(mount_of(root))
-    st = os.statvfs(root)
-    facts["free_bytes"] = st.f_bavail * st.f_frsize
-    facts["total_bytes"] = st.f_blocks * st.f_frsize
-    facts["o_direct_write"], facts["o_direct_error"] = _o_direct_write(root)
+    vfs = os.statvfs(root)
+    facts["free_bytes"] = vfs.f_bavail * vfs.f_frsize
+    facts["total_bytes"] = vfs.f_blocks * vfs.f_frsize
+    why = _cannot_create_in(root)
+    facts["o_direct_write"], facts["o_direct_error"] = (None, "") if why else _o_direct_write(root)
+    if why:
+        facts["problem"] = f"does not let this process create files ({why})"
+    elif arena_bytes > facts["free_bytes"]:
+        facts["problem"] = (f"the slot arena (TLLM_GDS_KV_ARENA_BYTES, {_gib(arena_bytes)} per owner) does not fit "
+                            f"in its {_gib(facts['free_bytes'])} free")
     return facts
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _cannot_create_in(directory: str) -> str:
+    """Why this process cannot create a file in ``directory`` ('' if it can): tried, then removed."""
+    path = os.path.join(directory, f".gdskv-check-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.unlink(path)
+    return ""
 
 
 def _o_direct_write(root: str) -> tuple[bool, str]:
@@ -262,9 +322,9 @@ def _probe_facts(report: dict[str, Any]) -> dict[str, Any]:
         return {"ran": False, "ok": None, "reason": "KvikIO is not importable"}
     if k.get("compat_mode_preferred") is not False:
         return {"ran": False, "ok": None, "reason": "KvikIO prefers its compat mode, so it never calls cuFile"}
-    roots = [r for r in report["roots"] if r["exists"]]
+    roots = [r for r in report["roots"] if r["exists"] and not r["problem"]]
     if not roots:
-        return {"ran": False, "ok": None, "reason": "no existing root given"}
+        return {"ran": False, "ok": None, "reason": "no usable root given"}
     from gds_kv_connector.engines.kvikio_engine import probe_cufile
 
     try:
@@ -284,16 +344,11 @@ def _warnings(report: dict[str, Any]) -> list[str]:
     if report["torch"]["cuda_available"] and k.get("importable") and not report["cupy"]["installed"]:
         out.append("CuPy is not installed: GPU payload checksums (csrc/checksum.cu) cannot be compiled")
     for r in report["roots"]:
-        if not r["exists"]:
-            out.append(f"root {r['path']} does not exist")
+        if not r["exists"] or r["problem"]:  # said on its own line
             continue
         if not r["o_direct_write"]:
             out.append(f"root {r['path']}: O_DIRECT is unavailable ({r['o_direct_error']}); "
                        "transfers go through the page cache")
-        if report["arena_bytes"] > r["free_bytes"]:
-            out.append(f"root {r['path']}: the slot arena ({_gib(report['arena_bytes'])} per owner) does not fit "
-                       f"in its {_gib(r['free_bytes'])} free; slabs stop where the space ends and saves that "
-                       "find no slot are written as block files")
         if k.get("importable") and r["fs_type"] not in GDS_FILESYSTEMS:
             out.append(f"root {r['path']} is {r['fs_type']}, which GDS does not serve: "
                        "cuFile would fall back to its compat mode there")
@@ -309,7 +364,7 @@ def _hints(report: dict[str, Any]) -> list[str]:
     if report["arena_bytes"]:
         return out
     for r in report["roots"]:
-        if not r["exists"]:
+        if not r["exists"] or r["problem"]:
             continue
         if r["fs_type"] in HOST_FS_TYPES:
             out.append(f"root {r['path']} is in host memory and runs without the slot arena: each block file is "

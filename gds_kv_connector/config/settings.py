@@ -345,12 +345,17 @@ class Settings:
 def _with_hints(names: Iterable[str], known: Iterable[str], prefix: str = "") -> str:
     """``names``, each with the known name it most resembles (case and ``prefix`` aside): one short
     line, where the list of every setting was several hundred characters."""
-    by_key = {k[len(prefix):].lower(): k for k in known}
+    known = list(known)
+    return ", ".join(name + did_you_mean(name, known, prefix) for name in sorted(names))
 
-    def hint(name: str) -> str:
-        close = difflib.get_close_matches(name[len(prefix):].lower(), by_key, n=1)
-        return f"{name} (did you mean {by_key[close[0]]}?)" if close else name
-    return ", ".join(map(hint, sorted(names)))
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean X?)`` with the known name ``name`` most resembles (case and ``prefix``
+    aside), or '' where none is close: a near miss (a setting, a command, an option) named in the
+    one line that refuses it."""
+    by_key = {k[len(prefix):].lower(): k for k in known}
+    close = difflib.get_close_matches(name[len(prefix):].lower(), by_key, n=1)
+    return f" (did you mean {by_key[close[0]]}?)" if close else ""
 
 
 def _check_grace_covers_index(settings: "Settings") -> None:

@@ -24,7 +24,7 @@ from gds_kv_connector.store.arena import slab_kind, start_arena
 from gds_kv_connector.store.pool import BlockPool
 from gds_kv_connector.maintenance.recency import RecencyLog
 from gds_kv_connector.config.settings import Settings, SettingsError
-from gds_kv_connector.util.counters import Stats
+from gds_kv_connector.util.counters import GaugeSource, Stats
 from gds_kv_connector.config.trace_ranges import check_mode, trace_range, traced
 from gds_kv_connector.transfer.manager import TransferManager
 from gds_kv_connector.connector.trtllm_api import KvCacheConnectorWorker, control_grace_s, mpi_rank, transfer_timeout_s
@@ -128,6 +128,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved, record_event=self._record_event,
                                          load_meter=self.estimates.rate if self.estimates is not None else None)
+        self.stats.add_gauges(self.transfers.queue_gauges)
+        self.stats.add_gauges(_pool_usage(self.capacity))
         register(self._llm_args, PeerInfo(geom, fingerprints, kv.block_bytes, self.transfers.deliver_saves,
                                           self.transfers.fence, self.transfers.cancel_loads, self.stats, self.pool,
                                           self.estimates))
@@ -297,8 +299,10 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
     def _snapshot(self) -> Snapshot:
         """Counters for the owner's stats file, with the arena's numbers when it runs one: its slot
         and slab holdings are gauges (what this process holds now, which the next process adopts
-        when this one exits), its event counts counters; ``gds-kv stats`` sums the two differently."""
-        counters, gauges = self.stats.snapshot(), {}
+        when this one exits), its event counts counters; ``gds-kv stats`` sums the two differently.
+        The latency histograms go as counters too, and the gauges of the transfer queue and the
+        pool's usage as this owner's evictor saw it (``Stats.add_gauges``)."""
+        counters, gauges = self.stats.snapshot() | self.stats.histogram_counters(), self.stats.gauges()
         if self.pool is not None and self.pool.arena is not None:
             held = ("owned_slots", "used_slots", "free_slots", "ready_slots", "mapped_slabs")
             for k, v in self.pool.arena.usage().items():
@@ -330,6 +334,23 @@ def _forward_stamps(device: torch.device, clock: Callable[[], float]) -> tuple[C
     def elapsed(start: Any, end: Any) -> float | None:
         return start.elapsed_time(end) / 1e3 if end.query() else None
     return mark, elapsed
+
+
+def _pool_usage(capacity: CapacityGuard) -> GaugeSource:
+    """The pool's usage in bytes as this owner's evictor last scanned it (what its last run left, over
+    every root) and its quota (per root, so times the roots): usage against quota for the metrics
+    exporter, which never scans the pool itself.  Only an owner that evicts (a quota or a free-space
+    floor) scans; a run skipped because another owner held the eviction lock scans nothing, and the
+    usage of the last run that did stays."""
+    last: dict[str, int] = {}
+
+    def gauges() -> dict[str, int]:
+        reports = capacity.last_reports
+        if reports and not any(r.skipped for r in reports):
+            last["pool_usage_bytes"] = sum(r.usage_after for r in reports)
+        quota = capacity.quota_bytes * len(capacity.roots)
+        return {"pool_quota_bytes": quota, **last} if quota else dict(last)
+    return gauges
 
 
 def _op_ids(ops: list) -> list[tuple]:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gds_kv_connector.config.settings import SettingsError
 from gds_kv_connector.simulator.executor import ExecutorConfig, ReferenceExecutor, RunStats, SimRequest
 from gds_kv_connector.simulator.model import PrefixHashes, ReferenceModel
 
@@ -55,6 +57,11 @@ def answer(model: ReferenceModel, prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+# An owner's error when it stopped because another failed (the barrier between rounds broke): the
+# other's error is the one to report
+PEER_FAILED = "stopped: another owner failed"
+
+
 @dataclass
 class OwnerReport:
     owner: int
@@ -66,17 +73,20 @@ class OwnerReport:
 
 def serve_rounds(owner: int, owners: int, workload: Workload, cfg: ExecutorConfig, env: dict[str, str],
                  barrier: Any = None, progress: Any = None, rotate: bool = True) -> OwnerReport:
-    """Serve this owner's share of every round with one connector; verify every answer."""
+    """Serve this owner's share of every round with one connector; verify every answer.  Any failure,
+    the connector's start included (a bad setting), ends up in the report's ``error`` as one line."""
     os.environ.update(env)
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
     from gds_kv_connector.simulator import fake_llm_args
 
-    llm_args = fake_llm_args(cfg.shape.tokens_per_block, attention_dp=owners > 1)
-    sched, worker = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
-    ex = ReferenceExecutor(sched, worker, cfg)
-    report = OwnerReport(owner, data_path=worker.transfers.engine.data_path())
-    prompts = workload.prompts(ex.model)
+    report = OwnerReport(owner)
+    worker = None
     try:
+        llm_args = fake_llm_args(cfg.shape.tokens_per_block, attention_dp=owners > 1)
+        sched, worker = GdsKvConnectorScheduler(llm_args), GdsKvConnectorWorker(llm_args)
+        ex = ReferenceExecutor(sched, worker, cfg)
+        report.data_path = worker.transfers.engine.data_path()
+        prompts = workload.prompts(ex.model)
         for r, round_prompts in enumerate(prompts):
             before = RunStats(**asdict(ex.stats))
             before_io = worker.stats.snapshot()
@@ -97,13 +107,23 @@ def serve_rounds(owner: int, owners: int, workload: Workload, cfg: ExecutorConfi
             if barrier is not None:
                 barrier.wait(timeout=300)
     except BaseException as exc:  # reported to the parent, which fails loudly
-        report.error = f"{type(exc).__name__}: {exc}"
+        report.error = describe_error(exc)
         if barrier is not None:
             barrier.abort()
     finally:
-        worker.shutdown()
-        report.connector = worker.stats.snapshot()
+        if worker is not None and worker.transfers is not None:
+            worker.shutdown()
+            report.connector = worker.stats.snapshot()
     return report
+
+
+def describe_error(exc: BaseException) -> str:
+    """An owner's failure in one line: a bad setting's own message (it names the setting and what it
+    allows), any other error's type and message."""
+    if isinstance(exc, threading.BrokenBarrierError):
+        return PEER_FAILED
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, SettingsError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
 def _round_delta(r: int, mine: list[int], a: RunStats, b: RunStats, io_a: dict, io_b: dict,

@@ -49,6 +49,8 @@ STAGED_POLL_S = 0.005
 # a synchronous load (the forward waits for it) passes asynchronous ones, and every load passes
 # saves, which nothing waits for until their request finishes.
 _QUEUE_OF = {"sync": 0, "load": 1, "save": 2}
+# The latency histogram (util.counters) a completed batch of each kind is observed in
+_LATENCY = {"sync": "load_latency_us", "load": "load_latency_us", "save": "save_latency_us"}
 
 
 @dataclass(slots=True)
@@ -303,6 +305,8 @@ class TransferManager:
                     future.set_result(self._timed_load(op, batch))
             except BaseException as exc:  # noqa: BLE001 - delivered through the future, as the pool would
                 future.set_exception(exc)
+            else:  # latency as its requests see it: from acceptance (time queued included) to the last byte
+                self.stats.observe_us(_LATENCY[batch.kind], int(1e6 * (time.monotonic() - batch.accepted)))
             finally:
                 with lock:
                     if not loads_only:
@@ -408,7 +412,8 @@ class TransferManager:
                 if isinstance(exc, LoadFailure):
                     raise self._load_failure(rid, exc) from None
                 raise
-            self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=self._run_bytes(batch))
+            self.stats.add_many(loads_sync=len(batch.run), bytes_loaded=self._run_bytes(batch),
+                                tokens_loaded=_blocks(batch.run) * self.pool.tokens_per_block)
 
     @property
     def has_sync_loads(self) -> bool:
@@ -418,6 +423,15 @@ class TransferManager:
     def has_async_loads(self) -> bool:
         """Asynchronous loads not yet reported (a cancel can still stop them)."""
         return bool(self._pending_loads)
+
+    def queue_gauges(self) -> dict[str, int]:
+        """Batches waiting for a transfer thread (loads, saves), batches accepted and not settled, and
+        the bytes of saves accepted and not done (what ``max_queued_save_bytes`` bounds): the owner's
+        transfer queue, as gauges of its stats file.  Read on the stats thread without the lock:
+        each is one length or one integer, and a gauge a batch stale is still the queue's depth."""
+        sync, load, save = map(len, self._queues)
+        return {"transfer_queued_load_batches": sync + load, "transfer_queued_save_batches": save,
+                "transfer_inflight_batches": len(self._inflight), "transfer_save_backlog_bytes": self._save_bytes}
 
     def poll(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         now = time.monotonic()
@@ -499,7 +513,8 @@ class TransferManager:
                         if op.request_id not in dropped:  # and a cancelled one's, tokens it will not use
                             failed.setdefault(op.request_id, exc)
                 elif not cancelled:
-                    self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch))
+                    self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch),
+                                        tokens_loaded=_blocks(batch.run) * self.pool.tokens_per_block)
         self._inflight = still
 
     def _settle_reservations(self, batch: _Batch, exc: BaseException | None) -> None:
@@ -620,7 +635,8 @@ class TransferManager:
             self._note_save_failure(type(exc).__name__, batch, str(exc))
             return
         out: SaveOutcome = batch.future.result()
-        self.stats.add_many(blocks_saved=out.published, blocks_already_present=out.already_present,
+        self.stats.add_many(blocks_saved=out.published, tokens_saved=out.published * self.pool.tokens_per_block,
+                            blocks_already_present=out.already_present,
                             save_lost_race=out.lost_race, bytes_saved=out.bytes_written,
                             save_blocks_failed=len(out.failed), save_arena_fallback=out.arena_fallback)
         if batch.stop_cause == "stopped":
