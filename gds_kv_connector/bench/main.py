@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--no-drop-caches", action="store_true", help="never write /proc/sys/vm/drop_caches "
                    "(posix_fadvise DONTNEED is still used on the files read)")
-    p.add_argument("--json", help="result file (default profiling/results/bench-<host>.json)")
+    p.add_argument("--json", help="result file (default ./gds-kv-bench-<host>.json)")
     p.add_argument("--png", help="plot file (default: the JSON path with .png)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of the run (torch.profiler) to this file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from gds_kv_connector.format.checksum import checksum_bytes
+from gds_kv_connector.util.counters import split_histograms
 from gds_kv_connector.util.atomic_file import WriterMark
 from gds_kv_connector.maintenance.eviction import DEFAULT_GRACE_S, EvictionReport, evict_pool, expire_pool
 from gds_kv_connector.maintenance.owner_stats import live, read_owner_stats
@@ -702,7 +703,13 @@ def _sum(results: list[dict[str, Any]], key: str, sub: str | None = None) -> int
 
 
 def _pairs(values: dict[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(values.items())) or "-"
+    """Counters as ``name=value``; a latency histogram as one ``name=count x mean`` (its bucket counts
+    are for ``gds-kv metrics``, not for reading)."""
+    plain, hists = split_histograms(values)
+    items = [f"{k}={v}" for k, v in sorted(plain.items())]
+    items += [f"{name}={h.count}x{h.total / h.count / 1e3:.2f}ms" if h.count else f"{name}=0"
+              for name, h in sorted(hists.items())]
+    return ", ".join(sorted(items)) or "-"
 
 
 def _human(n: int | None) -> str:

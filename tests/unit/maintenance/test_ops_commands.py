@@ -335,7 +335,7 @@ def test_cli_says_an_os_error_in_one_line(tmp_path, monkeypatch, capsys):
         raise PermissionError(13, "Permission denied", "/pool/gdskv-v1/owners")
     monkeypatch.setattr(ops, "stats", denied)
     assert cli.main(["stats", "--root", str(tmp_path)]) == EXIT_PROBLEMS
-    assert capsys.readouterr().err == "gds-kv: Permission denied: /pool/gdskv-v1/owners\n"
+    assert capsys.readouterr().err == "gds-kv stats: Permission denied: /pool/gdskv-v1/owners\n"
 
 
 def test_stats_reports_directories_it_cannot_read_instead_of_failing(tmp_path, engine, monkeypatch):
