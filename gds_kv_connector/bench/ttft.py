@@ -129,23 +129,22 @@ class TtftExecutor(ReferenceExecutor):
         self._last: dict[int, torch.Tensor] = {}
 
     def _forward(self, batch: list[SimRequest]) -> None:
-        dec = self.decoder
-        spans = []
+        dec, tpb = self.decoder, self.cfg.shape.tokens_per_block
+        work = []
         for r in batch:
             start, end = (r.pos, r.pos + self._chunk(r)) if r.state is State.CONTEXT else (len(r.tokens) - 1,
                                                                                           len(r.tokens))
-            pages = torch.tensor(r.block_ids, device=self.pool.device)
-            spans.append([r, start, end, dec.embed_tokens(r.tokens[start:end]), pages, dec.rotary(start, end)])
+            work.append([r, dec.span(r.block_ids, start, end, tpb), dec.embed_tokens(r.tokens[start:end])])
         for layer in range(dec.geo.layers):
             self._timed(self.worker.wait_for_layer_load, layer, self._stream, layer_hook=True)
-            for span in spans:
-                span[3] = dec.layer(layer, span[3], self.kv, span[4], span[1], span[5])
+            for item in work:
+                item[2] = dec.layer(layer, item[2], self.kv, item[1])
             self._timed(self.worker.save_kv_layer, layer, self._stream, layer_hook=True)
-        for r, start, end, x, _, _ in spans:
+        for r, span, x in work:
             self._last[r.request_id] = x[-1]
-            self.stats.computed_tokens += end - start
+            self.stats.computed_tokens += span.end - span.start
             if r.state is State.CONTEXT:
-                r.pos = end
+                r.pos = span.end
 
     def _sample_and_finish(self, batch: list[SimRequest]) -> None:
         for r in batch:

@@ -2,7 +2,7 @@
 
 Its forward does what a prefill costs: per layer an RMS norm, the QKV projection, rotary positions,
 causal attention through ``torch.nn.functional.scaled_dot_product_attention`` (its flash kernel on a
-GPU; the KV heads repeated for grouped-query attention, which that kernel does not take), the
+GPU, grouped-query attention by ``enable_gqa``: torch 2.5 or later), the
 output projection and a SwiGLU MLP, with each layer's K and V written into a paged KV pool laid out
 as TensorRT-LLM's ``[num_blocks, num_layers, 2, kv_heads * tokens_per_block * head_dim]`` (per block
 and plane: ``[kv_heads, tokens_per_block, head_dim]``).  Tokens after a prefix already in the pool
@@ -67,6 +67,19 @@ GEOMETRIES = {g.name: g for g in (
 
 
 @dataclass
+class Span:
+    """One request's tokens ``[start, end)`` in a forward: where their K and V go in the pool, where the
+    positions ``[0, end)`` they attend to are read from (when ``start`` > 0), and their rotary angles.
+    Made once per forward, not once per layer."""
+
+    start: int
+    end: int
+    write: tuple[torch.Tensor, torch.Tensor]  # (page, slot) of each new token
+    read: torch.Tensor | None  # the pages of positions [0, end), where start > 0
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
 class _Layer:
     qkv: torch.Tensor
     out: torch.Tensor
@@ -108,37 +121,37 @@ class Decoder:
     def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
         return self.embed[torch.tensor(tokens, device=self.device)]
 
-    def rotary(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of positions ``[start, end)``, shaped to broadcast over heads."""
-        angles = torch.arange(start, end, device=self.device).float()[:, None] * self.inv_freq[None]
-        return angles.cos().to(torch.bfloat16)[:, None], angles.sin().to(torch.bfloat16)[:, None]
+    def span(self, pages: list[int], start: int, end: int, tokens_per_block: int) -> Span:
+        """The :class:`Span` of positions ``[start, end)`` of a request whose page table is ``pages``."""
+        table = torch.tensor(pages, device=self.device)
+        pos = torch.arange(end, device=self.device)
+        page, slot = table[pos // tokens_per_block], pos % tokens_per_block
+        angles = pos[start:].float()[:, None] * self.inv_freq[None]
+        rope = angles.cos().to(torch.bfloat16)[:, None], angles.sin().to(torch.bfloat16)[:, None]
+        read = table[:-(-end // tokens_per_block)] if start else None
+        return Span(start, end, (page[start:], slot[start:]), read, rope)
 
-    def layer(self, index: int, x: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, start: int,
-              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Layer ``index`` for the tokens at positions ``[start, start + len(x))`` of a request whose
-        page table is ``pages``: their K and V go into the pool, and they attend to positions
-        ``[0, start)`` read from it and to each other, causally."""
+    def layer(self, index: int, x: torch.Tensor, kv: torch.Tensor, span: Span) -> torch.Tensor:
+        """Layer ``index`` for the tokens of ``span``: their K and V go into the pool, and they attend
+        to the positions before them, read from it, and to each other, causally."""
         g, w = self.geo, self.layers[index]
-        n, tpb = x.shape[0], kv.shape[4]
+        n, heads = x.shape[0], g.heads + g.kv_heads
         h = F.rms_norm(x, (g.hidden,), w.norm_attn, NORM_EPS)
-        q, k, v = (h @ w.qkv).split([g.heads * g.head_dim, g.kv_heads * g.head_dim, g.kv_heads * g.head_dim], -1)
-        q = _rotate(q.view(n, g.heads, g.head_dim), *rope)
-        k = _rotate(k.view(n, g.kv_heads, g.head_dim), *rope)
-        v = v.view(n, g.kv_heads, g.head_dim)
-        pos = torch.arange(start, start + n, device=self.device)
-        page, slot = pages[pos // tpb], pos % tpb
+        qkv = h @ w.qkv
+        qk = _rotate(qkv[:, :heads * g.head_dim].view(n, heads, g.head_dim), *span.rope)  # q and k at once
+        q, k = qk[:, :g.heads], qk[:, g.heads:]
+        v = qkv[:, heads * g.head_dim:].view(n, g.kv_heads, g.head_dim)
+        page, slot = span.write
         kv[page, index, 0, :, slot, :] = k
         kv[page, index, 1, :, slot, :] = v
-        if start:
-            before = torch.arange(start, device=self.device)
-            page_b, slot_b = pages[before // tpb], before % tpb
-            k = torch.cat([kv[page_b, index, 0, :, slot_b, :], k])
-            v = torch.cat([kv[page_b, index, 1, :, slot_b, :], v])
-        groups = g.heads // g.kv_heads
-        k = k.transpose(0, 1).repeat_interleave(groups, 0)[None]
-        v = v.transpose(0, 1).repeat_interleave(groups, 0)[None]
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v,
-                                              attn_mask=causal_lower_right(n, start + n))
+        if span.read is None:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        else:  # every position attended to, read from the pool a page at a time as a paged kernel reads it
+            pages = kv[:, index].index_select(0, span.read)  # [pages, 2, kv_heads, tpb, head_dim]
+            both = pages.permute(1, 2, 0, 3, 4).reshape(2, g.kv_heads, -1, g.head_dim)[:, :, :span.end]
+            k, v = both[0], both[1]
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                              attn_mask=causal_lower_right(n, span.end), enable_gqa=True)
         x = x + attn[0].transpose(0, 1).reshape(n, g.heads * g.head_dim) @ w.out
         h = F.rms_norm(x, (g.hidden,), w.norm_mlp, NORM_EPS)
         gate = F.silu(h @ w.gate, inplace=True)
