@@ -649,13 +649,59 @@ static void key_path(char *path, const char **dir_of, const size_t *dir_len, con
     memcpy(p, suffix, suffix_len + 1);
 }
 
-/* The size of key k's block file (named into path), or -1 where it is missing, is not a regular file
- * or fails to stat: the one lookup present_run and chain_present make per key (links never followed). */
+/* The writers a pool trusts (store/pool.py PoolTrust, docs/format.md "Trust"): a file no trusted
+ * writer could have made is a miss where it is matched, not a promise its load would break. */
+#define TRUST_MAX 64
+struct trust {
+    int on;
+    Py_ssize_t nu, ng;
+    unsigned long uids[TRUST_MAX], gids[TRUST_MAX];
+};
+
+/* (uids, gids) tuples of ints into t; None leaves it off.  0 and an exception on a bad value. */
+static int parse_trust(PyObject *obj, struct trust *t) {
+    t->on = 0;
+    t->nu = t->ng = 0;
+    if (obj == NULL || obj == Py_None) return 1;
+    PyObject *uids, *gids;
+    if (!PyArg_ParseTuple(obj, "OO", &uids, &gids) || !PyTuple_Check(uids) || !PyTuple_Check(gids) ||
+            PyTuple_Size(uids) > TRUST_MAX || PyTuple_Size(gids) > TRUST_MAX) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "trust must be (uids, gids), tuples of at most 64 ints");
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_Size(uids); i++) {
+        t->uids[t->nu++] = PyLong_AsUnsignedLong(PyTuple_GetItem(uids, i));
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_Size(gids); i++) {
+        t->gids[t->ng++] = PyLong_AsUnsignedLong(PyTuple_GetItem(gids, i));
+    }
+    if (PyErr_Occurred()) return 0;
+    t->on = 1;
+    return 1;
+}
+
+/* PoolTrust.why_not is None: owned by a trusted uid or the trusted group, not writable by others,
+ * group-writable only for the trusted group. */
+static int trusted(const struct trust *t, const struct stat *st) {
+    if (t == NULL || !t->on) return 1;
+    int uid_ok = 0, gid_ok = 0;
+    for (Py_ssize_t i = 0; i < t->nu; i++) uid_ok |= t->uids[i] == (unsigned long)st->st_uid;
+    for (Py_ssize_t i = 0; i < t->ng; i++) gid_ok |= t->gids[i] == (unsigned long)st->st_gid;
+    if (!uid_ok && !gid_ok) return 0;
+    if (st->st_mode & S_IWOTH) return 0;
+    if ((st->st_mode & S_IWGRP) && !gid_ok) return 0;
+    return 1;
+}
+
+/* The size of key k's block file (named into path), or -1 where it is missing, is not a regular file,
+ * fails to stat or was made by no writer ``trust`` names: the one lookup present_run and chain_present
+ * make per key (links never followed). */
 static long long key_file_size(char *path, const char **dir_of, const size_t *dir_len, const unsigned char *k,
-                               const char *suffix, size_t suffix_len) {
+                               const char *suffix, size_t suffix_len, const struct trust *trust) {
     struct stat st;
     key_path(path, dir_of, dir_len, k, suffix, suffix_len);
-    if (lstat(path, &st) || !S_ISREG(st.st_mode)) return -1;
+    if (lstat(path, &st) || !S_ISREG(st.st_mode) || !trusted(trust, &st)) return -1;
     return (long long)st.st_size;
 }
 
@@ -738,13 +784,15 @@ struct stat_span {
     char *path;
     long long *sizes;
     Py_ssize_t from, to, fail;
+    const struct trust *trust;
 };
 
 static void *stat_span_run(void *arg) {
     struct stat_span *sp = arg;
     sp->fail = sp->to;
     for (Py_ssize_t i = sp->from; i < sp->to; i++) {
-        long long size = key_file_size(sp->path, sp->dir_of, sp->dir_len, sp->key_at[i], sp->suffix, sp->suffix_len);
+        long long size = key_file_size(sp->path, sp->dir_of, sp->dir_len, sp->key_at[i], sp->suffix, sp->suffix_len,
+                                       sp->trust);
         if (size < 0) {
             sp->fail = i;
             break;
@@ -765,7 +813,7 @@ static int stat_threads_for(Py_ssize_t n) {
  * none did.  Spans after a failure are wasted work, never a wrong answer. */
 static Py_ssize_t stat_spans(const unsigned char **key_at, const char **dir_of, const size_t *dir_len,
                              const char *suffix, size_t suffix_len, char *paths, size_t path_cap,
-                             long long *sizes, Py_ssize_t from, Py_ssize_t n) {
+                             long long *sizes, Py_ssize_t from, Py_ssize_t n, const struct trust *trust) {
     struct stat_span sp[STAT_THREADS];
     pthread_t tid[STAT_THREADS];
     int started[STAT_THREADS] = {0};
@@ -773,7 +821,7 @@ static Py_ssize_t stat_spans(const unsigned char **key_at, const char **dir_of, 
     int k = stat_threads_for(left);
     for (int t = 0; t < k; t++) {
         sp[t] = (struct stat_span){key_at, dir_of, dir_len, suffix, suffix_len, paths + t * path_cap, sizes,
-                                   from + left * t / k, from + left * (t + 1) / k, 0};
+                                   from + left * t / k, from + left * (t + 1) / k, 0, trust};
     }
     for (int t = 1; t < k; t++) started[t] = pthread_create(&tid[t], NULL, stat_span_run, &sp[t]) == 0;
     stat_span_run(&sp[0]);
@@ -788,9 +836,11 @@ static Py_ssize_t stat_spans(const unsigned char **key_at, const char **dir_of, 
 
 static PyObject *present_run(PyObject *self, PyObject *args) {
     const char *suffix;
-    PyObject *dirs, *keys;
+    PyObject *dirs, *keys, *trust_obj = NULL;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "OOns", &dirs, &keys, &start, &suffix)) return NULL;
+    struct trust trust;
+    if (!PyArg_ParseTuple(args, "OOns|O", &dirs, &keys, &start, &suffix, &trust_obj)) return NULL;
+    if (!parse_trust(trust_obj, &trust)) return NULL;
     if (!PyTuple_Check(dirs) || PyTuple_Size(dirs) != 256 || !PyList_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "dirs must be a tuple of 256 str, keys a list of bytes");
         return NULL;
@@ -830,13 +880,13 @@ static PyObject *present_run(PyObject *self, PyObject *args) {
     }
     Py_ssize_t found = 0;
     for (; found < n && found < STAT_HOLD_GIL; found++) {
-        long long size = key_file_size(path, dir_of, dir_len, key_at[found], suffix, suffix_len);
+        long long size = key_file_size(path, dir_of, dir_len, key_at[found], suffix, suffix_len, &trust);
         if (size < 0) break;
         sizes[found] = size;
     }
     if (found == STAT_HOLD_GIL && found < n) { /* a long run: the rest on threads, the GIL released */
         Py_BEGIN_ALLOW_THREADS
-        found = stat_spans(key_at, dir_of, dir_len, suffix, suffix_len, path, path_cap, sizes, found, n);
+        found = stat_spans(key_at, dir_of, dir_len, suffix, suffix_len, path, path_cap, sizes, found, n, &trust);
         Py_END_ALLOW_THREADS
     }
     out = PyList_New(found);
@@ -878,6 +928,7 @@ struct probe {
     struct probe_thread *pt;
     pthread_t tid[STAT_THREADS];
     int started[STAT_THREADS];
+    const struct trust *trust;
 };
 
 struct probe_thread {
@@ -911,7 +962,7 @@ static void *probe_run(void *arg) {
         }
         for (long i = lo; i < hi; i++) {
             long long size = key_file_size(t->path, p->dir_of, p->dir_len, p->job->keys + i * KEY, p->suffix,
-                                           p->suffix_len);
+                                           p->suffix_len, p->trust);
             if (size < 0) {
                 long cur = atomic_load(&p->fail);
                 while (i < cur && !atomic_compare_exchange_weak(&p->fail, &cur, i)) {
@@ -924,11 +975,14 @@ static void *probe_run(void *arg) {
 }
 
 static PyObject *chain_present(PyObject *self, PyObject *args) {
-    PyObject *prev_obj, *tokens, *dirs;
+    PyObject *prev_obj, *tokens, *dirs, *trust_obj = NULL;
     Py_ssize_t start, tpb, n;
     const char *suffix;
     int is_list;
-    if (!PyArg_ParseTuple(args, "OOnnnOs", &prev_obj, &tokens, &start, &tpb, &n, &dirs, &suffix)) return NULL;
+    struct trust trust;
+    if (!PyArg_ParseTuple(args, "OOnnnOs|O", &prev_obj, &tokens, &start, &tpb, &n, &dirs, &suffix, &trust_obj))
+        return NULL;
+    if (!parse_trust(trust_obj, &trust)) return NULL;
     if (chain_check(tokens, start, tpb, n, &is_list) < 0) return NULL;
     const char *dir_of[256];
     size_t dir_len[256], longest, suffix_len = strlen(suffix);
@@ -949,7 +1003,7 @@ static PyObject *chain_present(PyObject *self, PyObject *args) {
     struct chain_job job = {prev.buf, toks, keys, width, n, 0, 0, 0};
     int threads = stat_threads_for(n);
     struct probe_thread pt[STAT_THREADS];
-    struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, threads, pt, {0}, {0}};
+    struct probe pr = {&job, dir_of, dir_len, suffix, suffix_len, sizes, n, 0, (long)n, threads, pt, {0}, {0}, &trust};
     for (int t = 0; t < STAT_THREADS; t++) pt[t] = (struct probe_thread){&pr, paths + t * path_cap};
     pthread_t hasher;
     int hashing = pthread_create(&hasher, NULL, chain_job_run, &job) == 0;

@@ -65,16 +65,18 @@ class FileOps:
                 out.append(exc)
         return out
 
-    def present_run(self, dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str) -> list[int]:
+    def present_run(self, dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str,
+                    trust: native.Trust | None = None) -> list[int]:
         """Sizes of the regular files named for ``keys[start:]`` (:func:`key_name`), up to the first
-        that is missing, not a regular file or fails to stat (links never followed).
+        that is missing, not a regular file, fails to stat (links never followed) or, with ``trust``
+        (uids, gids), was made by no writer it names (:func:`trusted`).
 
         One C call where the extension is built: it keeps the GIL for the first few stats and splits
         a long run over threads (see ``present_run`` in csrc/native.c: the executor thread calls this
         when it matches a prompt); a subclass that overrides :meth:`stat` (fault injection) sees
         every call."""
         if type(self).stat is FileOps.stat:
-            sizes = native.present_run(dirs, keys, start, suffix)
+            sizes = native.present_run(dirs, keys, start, suffix, trust)
             if sizes is not None:
                 return sizes
         run = keys[start:]
@@ -86,20 +88,21 @@ class FileOps:
                 st = self.stat(key_name(dirs, k, suffix))
             except OSError:
                 break
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or (trust is not None and not trusted(trust, st)):
                 break
             out.append(st.st_size)
         return out
 
     def chain_present(self, prev: bytes, tokens: list[int], tokens_per_block: int, num_blocks: int,
-                      dirs: tuple[str, ...], suffix: str) -> tuple[list[bytes], list[int]] | None:
+                      dirs: tuple[str, ...], suffix: str,
+                      trust: native.Trust | None = None) -> tuple[list[bytes], list[int]] | None:
         """The keys of ``num_blocks`` blocks of ``tokens`` (``prev``: the key before the first) and
         :meth:`present_run` over them from the first, in one C call whose stats follow the hashing
         on other threads; None where it cannot run (the extension is missing, or a subclass
         overrides :meth:`stat`), and the caller then keys and stats one step after the other."""
         if type(self).stat is not FileOps.stat:
             return None
-        return native.chain_present(prev, tokens, 0, tokens_per_block, num_blocks, dirs, suffix)
+        return native.chain_present(prev, tokens, 0, tokens_per_block, num_blocks, dirs, suffix, trust)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
@@ -140,3 +143,17 @@ def read_exact(ops: FileOps, fd: int, buf, offset: int) -> None:
         if n <= 0:
             raise EOFError(f"file ended after {offset + done} bytes, {len(view) - done} short")
         done += n
+
+
+def trusted(trust: native.Trust, st: os.stat_result) -> bool:
+    """Whether a file could only have been made by a writer ``trust`` (uids, gids) names: owned by a
+    trusted uid or group, not writable by others, group-writable only for a trusted group (the rule
+    of the pool's PoolTrust and of the C stat loops)."""
+    uids, gids = trust
+    gid_ok = st.st_gid in gids
+    if st.st_uid not in uids and not gid_ok:
+        return False
+    if st.st_mode & stat.S_IWOTH:
+        return False
+    return not (st.st_mode & stat.S_IWGRP and not gid_ok)
+

@@ -51,22 +51,27 @@ def link_keys(src: str, dirs: tuple[str, ...], keys: list[bytes], suffix: str) -
     return _lib.link_keys(src, dirs, keys, suffix)
 
 
-def present_run(dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str) -> list[int] | None:
+Trust = tuple[tuple[int, ...], tuple[int, ...]]  # (uids, gids) whose files a pool believes
+
+
+def present_run(dirs: tuple[str, ...], keys: list[bytes], start: int, suffix: str,
+                trust: Trust | None = None) -> list[int] | None:
     """lstat(2) of ``f"{dirs[key[0]]}/{key.hex()}{suffix}"`` for ``keys[start:]`` up to the first
-    that is missing or not a regular file: the sizes before it; None where the extension is missing
-    (FileOps.present_run then loops)."""
+    that is missing, not a regular file or (with ``trust``) made by no trusted writer: the sizes
+    before it; None where the extension is missing (FileOps.present_run then loops)."""
     if _lib is None:
         return None
-    return _lib.present_run(dirs, keys, start, suffix)
+    return _lib.present_run(dirs, keys, start, suffix, trust)
 
 
 def chain_present(prev: bytes, tokens: list[int] | tuple[int, ...], start: int, tokens_per_block: int,
-                  num_blocks: int, dirs: tuple[str, ...], suffix: str) -> tuple[list[bytes], list[int]] | None:
+                  num_blocks: int, dirs: tuple[str, ...], suffix: str,
+                  trust: Trust | None = None) -> tuple[list[bytes], list[int]] | None:
     """:func:`chain_keys` and :func:`present_run` from the first key, in one C call whose stats
     follow the hashing on other threads: (keys, sizes); None where the extension is missing."""
     if _lib is None:
         return None
-    return _lib.chain_present(prev, tokens, start, tokens_per_block, num_blocks, dirs, suffix)
+    return _lib.chain_present(prev, tokens, start, tokens_per_block, num_blocks, dirs, suffix, trust)
 
 
 def clear_headers(addrs: Sequence[int]) -> None:

@@ -176,6 +176,8 @@ class BlockPool:
             self.makedirs(os.path.join(root, LAYOUT_DIR, OWNERS_DIR))
             self._write_geometry(fp_dir, geometry_note)
         self.trust = PoolTrust.of_roots(self.roots, share_group)
+        # the same writers as the stat loops take them: a file none of them made is a miss at match time
+        self._trust = (tuple(sorted(self.trust.uids)), tuple(sorted(self.trust.gids)))
         for d in (*(os.path.join(r, LAYOUT_DIR) for r in self.roots), *self.fp_dirs):
             self._require_trusted(d)
 
@@ -292,7 +294,8 @@ class BlockPool:
             if expires is not None and expires > now:
                 n += 1
                 continue
-            n = self._accept_run(keys, n, self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX), now)
+            n = self._accept_run(keys, n, self.ops.present_run(self._key_dirs, keys, n, BLOCK_SUFFIX, self._trust),
+                                 now)
             break
         return n - start
 
@@ -302,7 +305,7 @@ class BlockPool:
         indexed first key would send a long prompt past the one call that stats behind the hashing)."""
         if self._index.get(key, 0.0) > time.monotonic():
             return False
-        sizes = self.ops.present_run(self._key_dirs, [key], 0, BLOCK_SUFFIX)
+        sizes = self.ops.present_run(self._key_dirs, [key], 0, BLOCK_SUFFIX, self._trust)
         return not (sizes and self._size_ok(sizes[0]) and self._key_dir_trusted(key[0]))
 
     def match_chain(self, prev: bytes, tokens: list[int], tokens_per_block: int,
@@ -321,7 +324,8 @@ class BlockPool:
         keys = chain_from_tokens(prev, tokens, 0, tokens_per_block, 1)  # the first block decides
         now = time.monotonic()
         if self._index.get(keys[0], 0.0) <= now:
-            got = self.ops.chain_present(prev, tokens, tokens_per_block, num_blocks, self._key_dirs, BLOCK_SUFFIX)
+            got = self.ops.chain_present(prev, tokens, tokens_per_block, num_blocks, self._key_dirs, BLOCK_SUFFIX,
+                                         self._trust)
             if got is not None:
                 return got[0], self._accept_run(got[0], 0, got[1], now)
         keys += chain_from_tokens(keys[0], tokens, tokens_per_block, tokens_per_block, num_blocks - 1)

@@ -229,6 +229,23 @@ def test_untrusted_block_file_is_never_loaded(tmp_path, engine, case):
     _report("trust", attacked=1, detected=1, quarantined=1)
 
 
+@pytest.mark.parametrize("case", list(UNTRUSTED_FILES))
+def test_an_untrusted_block_file_is_a_miss_at_match_not_a_promise(tmp_path, engine, case, native_impl):
+    """The match's one stat per key (the C loops, or the Python one without them) sees the owner and
+    mode it already returns: an untrusted file in a trusted directory ends the matched run, so it is
+    never promised and no load of it can fail the process (the load would refuse it)."""
+    root = str(tmp_path / "pool")
+    genuine = [fh.key_of("genuine", case, i) for i in range(3)]
+    pool = _saved(root, engine, genuine)
+    for key in genuine[1:]:  # the second and third blocks were replaced by files a stranger could make
+        os.unlink(pool.path_for(key))
+        _plant_stranger_copy(pool, genuine[0], key, *UNTRUSTED_FILES[case])
+    fresh = fh.make_pool(root)
+    assert fresh.count_present(genuine) == 1, "an untrusted file was counted as present at match time"
+    assert fresh.absent(genuine[1])
+    _report("trust", attacked=2, detected=2, quarantined=0)
+
+
 def test_share_group_trusts_the_group_of_the_pool_root(tmp_path, engine):
     """In a pool made for sharing (TLLM_GDS_KV_SHARE_GROUP: setgid, group-writable directories), another
     uid's file carrying the root's group (one this process is in) is a pool writer's, also for an owner
