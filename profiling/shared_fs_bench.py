@@ -7,8 +7,8 @@ local directory, two FUSE mounts ``a`` and ``b``), then, in rotating order, for 
 * ``gluster``: saved through mount ``a`` and loaded through mount ``b`` (another client: a second node's view).
 
 Blocks move with the package's POSIX engine (the pool and engine a connector's worker makes from the settings,
-``TLLM_GDS_KV_IO_THREADS`` etc. as set in the environment) through ``gds_kv_connector.block_io``'s
-``save_blocks`` / ``pin_blocks`` / ``load_blocks``; page caches are dropped before each load (root), so loads
+``TLLM_GDS_KV_IO_THREADS`` etc. as set in the environment) through the pool's store
+(``gds_kv_connector.store.base.open_store``: ``save`` / ``pin`` / ``load``); page caches are dropped before each load (root), so loads
 are cold on both.  Prints GB/s per leg, the medians and the ratio gluster / local.
 
 ``--strace`` also counts the system calls of one save of N blocks and one load of N blocks on each target
@@ -34,9 +34,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's root: the rig is tests/support/shared_fs_rig.py
 
-import shared_fs_rig as rig  # noqa: E402
+from tests.support import shared_fs_rig as rig  # noqa: E402
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -60,7 +60,7 @@ def drop_caches() -> None:
 def _worker(root: str, block_bytes: int):
     """A connector worker over ``root`` whose pool holds blocks of ``block_bytes`` (its pool and engine are used)."""
     import torch
-    from gds_kv_connector.reference import fake_llm_args
+    from gds_kv_connector.simulator import fake_llm_args
 
     from gds_kv_connector import GdsKvConnectorWorker
 
@@ -79,10 +79,10 @@ def _blocks(n: int, block_bytes: int, seed: int):
 
 
 def save(worker, keys, views) -> float:
-    from gds_kv_connector.block_io import save_blocks
+    from gds_kv_connector.store.base import open_store
     parents = [b"\0" * 32] + keys[:-1]
     t0 = time.perf_counter()
-    out = save_blocks(worker.pool, worker.transfers.engine, keys, parents, views)
+    out = open_store(worker.pool, worker.transfers.engine).save(keys, parents, views)
     dt = time.perf_counter() - t0
     if out.failed or out.published != len(keys):
         raise RuntimeError(f"save: {out.published} of {len(keys)} published, failed {out.failed[:2]}")
@@ -91,13 +91,13 @@ def save(worker, keys, views) -> float:
 
 def load(worker, keys, block_bytes: int, expect=None) -> float:
     import torch
-    from gds_kv_connector.block_io import load_blocks, pin_blocks
+    from gds_kv_connector.store.base import open_store
     out = [torch.empty(block_bytes, dtype=torch.uint8) for _ in keys]
     t0 = time.perf_counter()
-    pins = pin_blocks(worker.pool, keys)
+    pins = open_store(worker.pool).pin(keys)
     try:
-        load_blocks(worker.pool, worker.transfers.engine, pins, out, verify=True, retries=0,
-                    deadline=time.monotonic() + 300)
+        open_store(worker.pool, worker.transfers.engine).load(pins, out, verify=True, retries=0,
+                                                              deadline=time.monotonic() + 300)
     finally:
         worker.pool.unpin_all(pins)
     dt = time.perf_counter() - t0

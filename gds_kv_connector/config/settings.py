@@ -246,6 +246,11 @@ SPECS: tuple[SettingSpec, ...] = (
                 "no file created per block. Every owner of such a pool must set it.", _bytes(0)),
     SettingSpec("arena_slab_bytes", 256 << 20, parse_size, "Size of one arena slab file (the unit other "
                 "owners map and register when they read from it, on a host-memory pool).", _bytes(MIN_SLAB_BYTES)),
+    SettingSpec("arena_on_shared_fs", False, _parse_bool, "Run the slot arena on a network or FUSE filesystem "
+                "(NFS, GlusterFS, Lustre, GPFS, ...). Off: the arena is refused there at start-up, since another "
+                "node's client would read slots that changed through its own page cache and fail promised loads. "
+                "Set it only where clients keep no data cache (GlusterFS direct-io-mode=enable; see "
+                "docs/deployment.md)."),
     SettingSpec("arena_reuse_delay_s", 5.0, _parse_float, "How long an arena slot whose reference was removed "
                 "stays untouched before it is overwritten (covers readers that resolved it just before).",
                 _seconds(0)),
@@ -292,6 +297,7 @@ class Settings:
     save_generated: str
     arena_bytes: int
     arena_slab_bytes: int
+    arena_on_shared_fs: bool
     arena_reuse_delay_s: float
     stats_interval_s: float
     trace: str

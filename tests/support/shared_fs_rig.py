@@ -323,7 +323,7 @@ def spawn(node: Node, role: str, spec: dict[str, Any], workdir: str, name: str,
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
     env.update(extra_env or {})
     proc = subprocess.Popen(node_command(node, [HERE, "child", spec_path]), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=os.path.dirname(os.path.dirname(HERE)))
+                            env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(HERE))))  # the checkout's root
     return Owner(name, node, proc, spec["report"], log.name, log)
 
 
@@ -591,7 +591,7 @@ def _child(spec_path: str) -> int:
 def _connector(spec: dict[str, Any]):
     """A reference executor over a fresh connector pair, with the spec's settings in the environment."""
     os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
-    from gds_kv_connector.reference import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args
+    from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, fake_llm_args
 
     from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 
@@ -640,8 +640,8 @@ def role_serve(spec: dict[str, Any]) -> dict[str, Any]:
     writes ``<sync>/ready-<name>-r<r>`` and waits for ``<sync>/go-r<r>``), ``evict_log``, ``evict_storm``."""
     from dataclasses import asdict
 
-    from gds_kv_connector.reference import SimRequest
-    from gds_kv_connector.reference.workload import Workload, answer
+    from gds_kv_connector.simulator import SimRequest
+    from gds_kv_connector.simulator.workload import Workload, answer
 
     ex, worker = _connector(spec)
     out: dict[str, Any] = {"rounds": [], "data_path": worker.transfers.engine.data_path()}

@@ -18,10 +18,11 @@ import json
 import mmap
 import os
 import signal
+import sys
 import time
 
 import pytest
-import shared_fs_rig as rig
+from tests.support import shared_fs_rig as rig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -287,30 +288,38 @@ def failing_with(*texts: str):
     return _Check()
 
 
-def _arena_ping_pong(a: rig.Node, b: rig.Node, tmp_path, rounds: int) -> list[dict]:
+def _arena_ping_pong(a: rig.Node, b: rig.Node, tmp_path, rounds: int, **env: str) -> list[dict]:
     """Two arena owners, one per node; each round every conversation moves to the other node, which loads
     the slots the first node wrote in its slab during the round before."""
     wl = dict(conversations=4, rounds=rounds, system_tokens=64, turn_tokens=40, answer_tokens=16)
     procs = [rig.spawn((a, b)[o], "serve",
                        serve_spec(wl, owner=o, owners=2, barrier=str(tmp_path / "barrier"),
-                                  env=env_for((a, b)[o], **ARENA)), str(tmp_path), f"arena{o}")
+                                  env=env_for((a, b)[o], **ARENA, **env)), str(tmp_path), f"arena{o}")
              for o in range(2)]
     return rig.wait_all(procs, 180)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the slot arena on a shared filesystem: an owner on node B reads node A's slab through a descriptor it "
-    "keeps open, so its client's page cache still holds the zeros it read before node A wrote a slot (slab "
-    "pages read ahead with the slots it loaded earlier); it then fails the promised load with 'arena slot: bad "
-    "magic' (ConnectorFailure, fatal) and quarantines node A's good reference file; the arena is neither "
-    "refused on such a root nor coherent there (TLLM_GDS_KV_FSYNC=true on the writer does not help; a mount "
-    "without a client page cache, GlusterFS direct-io-mode=enable, does)"))
-def test_arena_on_the_shared_mount_loads_slots_another_node_wrote(nodes, tmp_path):
-    a, b = nodes
-    with failing_with("arena slot"):
-        reports = _arena_ping_pong(a, b, tmp_path, rounds=8)
-    assert all(r["arena"] for r in reports)
-    assert all(totals(r, "loaded_tokens") > 0 for r in reports)
+_ARENA_START = (
+    "import torch\n"
+    "from gds_kv_connector import GdsKvConnectorWorker\n"
+    "from gds_kv_connector.simulator import fake_llm_args\n"
+    "w = GdsKvConnectorWorker(fake_llm_args(16))\n"
+    "w.register_kv_caches(torch.zeros((8, 2, 2, 1024), dtype=torch.bfloat16))\n"
+    "w.shutdown()\n")
+
+
+def test_the_arena_is_refused_on_the_shared_mount_in_one_line(nodes):
+    """An owner on node B would read node A's slab through its own client's page cache (zeros read ahead
+    before node A wrote a slot) and fail a promised load: the arena is refused on a network or FUSE
+    filesystem at start-up, in one line, unless its clients keep no data cache
+    (TLLM_GDS_KV_ARENA_ON_SHARED_FS, the next test)."""
+    a, _ = nodes
+    os.makedirs(a.mount, exist_ok=True)
+    r = rig.node_run(a, [sys.executable, "-c", _ARENA_START], env=env_for(a, **ARENA))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "TLLM_GDS_KV_ARENA_BYTES" in last and "fuse.glusterfs" in last and "ARENA_ON_SHARED_FS" in last, last
+    print(f"refused: {last}")
 
 
 def test_arena_across_nodes_works_on_mounts_without_client_page_cache(cluster, request, tmp_path):
@@ -318,7 +327,7 @@ def test_arena_across_nodes_works_on_mounts_without_client_page_cache(cluster, r
     mounts = [cluster.mount(f"dio{n}", "direct-io-mode=enable") for n in ("a", "b")]
     try:
         a, b = (rig.Node(h, os.path.join(m, sub)) for h, m in zip(("nodea", "nodeb"), mounts))
-        reports = _arena_ping_pong(a, b, tmp_path, rounds=6)
+        reports = _arena_ping_pong(a, b, tmp_path, rounds=6, TLLM_GDS_KV_ARENA_ON_SHARED_FS="true")
         assert all(r["arena"] for r in reports)
         assert all(totals(r, "loaded_tokens") > 0 for r in reports)
         assert all(r["connector"].get("load_failures", 0) == 0 for r in reports)
