@@ -43,6 +43,10 @@ STALE_FOREIGN_TMP_S = 3600.0
 # that default leaves room for slow storage and for clock differences between a node and its
 # file server.
 TMP_YOUNG_S = 600.0
+# How long a network filesystem's client may show an inode's attributes as they were (NFS acregmax is
+# 60 s at most by default, GlusterFS and FUSE caches about a second): a block file younger than this
+# whose size looks wrong is not taken for junk (:meth:`BlockPool._clear_junk`).
+STALE_ATTR_S = 60.0
 KEY_LEN = 32
 # From this many blocks a prompt is keyed and stat'ed in one call (match_chain): the length from
 # which chain_keys already hashes on a second thread (CHAIN_PIPELINE_BLOCKS in csrc/native.c).
@@ -751,6 +755,12 @@ class BlockPool:
         why = self._unusable(st, refs=True)  # another owner's reference file is no junk
         if why is None:
             return False  # a block another writer published: a lost race
+        if stat.S_ISREG(st.st_mode) and self.trust.why_not(st) is None and _age_of(st) < STALE_ATTR_S:
+            # A regular file of a trusted writer that changed a moment ago and whose size looks wrong may
+            # be another node's block just published, seen through this client's attribute cache, which
+            # still holds the size its temporary file had (a hard link is the same inode): a lost race
+            # for now; the name is judged again once no client cache can still be that old.
+            return False
         self.quarantine(key, f"junk: {why}", st.st_ino)
         return True
 
@@ -881,6 +891,11 @@ def tmp_is_stale(name: str, path: str, now: float) -> bool:
     pid = parse_pid(parts[2])
     # A live pid may be a reused one; no writer holds a temporary file for an hour either way.
     return pid is not None and not pid_alive(pid)
+
+
+def _age_of(st: os.stat_result) -> float:
+    """Seconds since the entry ``st`` describes last changed (the newer of mtime and ctime)."""
+    return time.time() - max(st.st_mtime, st.st_ctime)
 
 
 def _age(path: str, now: float) -> float | None:

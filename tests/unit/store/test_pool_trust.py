@@ -307,14 +307,22 @@ _IS_KIND = {"directory": os.path.isdir, "fifo": lambda p: stat.S_ISFIFO(os.lstat
 
 
 @pytest.mark.parametrize("kind", JUNK)
-def test_save_moves_junk_aside_and_publishes(tmp_path, engine, kind):
+def test_save_moves_junk_aside_and_publishes(tmp_path, engine, kind, monkeypatch):
     """Junk at a key's name made every save of it a lost race, for ever: now the save moves it to the
-    quarantine (whole and unopened) and publishes, and the block loads byte-exact."""
+    quarantine (whole and unopened) and publishes, and the block loads byte-exact.  A regular file of
+    a trusted writer that changed less than STALE_ATTR_S ago is first left alone (it may be another
+    node's block seen through a stale attribute cache); it is junk once older than that."""
+    import gds_kv_connector.store.pool as pool_mod
+
     root = str(tmp_path / "pool")
     other, key = fh.key_of("junk-other", kind), fh.key_of("junk", kind)
     pool = _saved(root, engine, [other], index_ttl_s=0.0)
     _plant_junk(pool, key, kind, pool.path_for(other))
     kv = fh.make_kv(3)
+    if kind == "short_file":  # young: a lost race for now, nothing moved
+        out = open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)])
+        assert (out.published, out.lost_race) == (0, 1) and _quarantined(root) == [], out
+        monkeypatch.setattr(pool_mod, "STALE_ATTR_S", 0.0)  # as it is once the window has passed
     out = open_store(pool, engine).save([key], [b""], [fh.fill(kv, 0, key)])
     assert (out.published, out.lost_race, out.failed) == (1, 0, []), out
     moved = _quarantined(root)
