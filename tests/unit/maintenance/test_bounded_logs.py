@@ -39,20 +39,22 @@ IDLE = ("idle-2.access", "stale-4.access", "fifo.5.stats.json", f"{HOST_TAG}-6-a
 # host and pid: a restart may get the same) is already a 2 GiB sparse file, which it appends to and
 # then compacts.  Prints how much its peak RSS grew.
 OWNER = r"""
-import json, os, resource, sys
+import json, os, sys
 from gds_kv_connector.maintenance.pool_scan import owners_dir
 from gds_kv_connector.maintenance.recency import RecencyIndex, RecencyLog
 root = sys.argv[1]
 own = os.path.join(owners_dir(root), "victim.access")
 os.truncate(os.open(own, os.O_WRONLY | os.O_CREAT), 2 << 30)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm_kib():  # this process's own peak (ru_maxrss carries a parent's across fork and exec)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+before = hwm_kib()
 index = RecencyIndex(root)
 index.refresh()
 log = RecencyLog(root, "victim", flush_interval_s=0)
 log.touch([b"\x02" * 32])
 log.flush()  # appends after the 2 GiB, then compacts the log
 index.refresh()
-grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+grew = hwm_kib() - before
 print(json.dumps({"rss_growth_kib": grew, "skipped_bytes": index.skipped_bytes,
                   "log_bytes": os.path.getsize(own), "keys": sorted(k.hex()[:2] for k in index.latest)}))
 """
@@ -62,9 +64,30 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
 
 
+# The child's own peak: VmHWM of its memory after exec.  ru_maxrss would not do: Linux carries the
+# high-water mark across fork and exec, so a child of a large pytest process reports the parent's.
+HWM = "VmHWM_kB="
+_WITH_HWM = ("import atexit, runpy, sys\n"
+             "def hwm():\n"
+             "    for line in open('/proc/self/status'):\n"
+             "        if line.startswith('VmHWM:'):\n"
+             f"            print('\\n{HWM}' + line.split()[1], flush=True)\n"
+             "atexit.register(hwm)\n"
+             "sys.argv = sys.argv[1:]\n"
+             "if sys.argv[0] == '-m':\n"
+             "    sys.argv = sys.argv[1:]\n"
+             "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+             "elif sys.argv[0] == '-c':\n"
+             "    code = sys.argv[1]\n"
+             "    sys.argv = ['-c', *sys.argv[2:]]\n"
+             "    exec(compile(code, '<child>', 'exec'), {'__name__': '__main__'})\n")
+
+
 def run_measured(args: list[str]) -> tuple[int, str, int, float]:
-    """(exit status, output, peak RSS in bytes, seconds) of a child, killed after TIMEOUT_S."""
+    """(exit status, output, peak RSS in bytes, seconds) of a child (``[python, -m|-c, ...]``), killed
+    after TIMEOUT_S; its peak is its own VmHWM, printed by a wrapper as it exits."""
     t0 = time.monotonic()
+    args = [args[0], "-c", _WITH_HWM, *args[1:]]
     proc = subprocess.Popen(args, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()))
@@ -77,7 +100,8 @@ def run_measured(args: list[str]) -> tuple[int, str, int, float]:
         watchdog.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
     reader.join()
-    return proc.returncode, chunks[0].decode(), usage.ru_maxrss * 1024, time.monotonic() - t0
+    out, _, peak = chunks[0].decode().rpartition(HWM)
+    return proc.returncode, out.rstrip("\n") + "\n", int(peak.strip() or 0) * 1024, time.monotonic() - t0
 
 
 def make_pool(root: str) -> list[bytes]:

@@ -377,11 +377,12 @@ def test_verify_quarantines_junk_and_untrusted_files(tmp_path, engine):
 
 
 _VERIFY_CHILD = """
-import json, resource, sys
+import json, sys
 from gds_kv_connector.maintenance.operations import verify
 r = verify(sys.argv[1], workers=1, progress=False)
 print(json.dumps({"reasons": r["reasons"], "bytes_read": r["bytes_read"], "quarantined": r["quarantined"],
-                  "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  # VmHWM: this process's own peak (ru_maxrss carries the parent's across fork and exec)
+                  "maxrss_kib": next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))}))
 """
 
 
