@@ -78,7 +78,9 @@ OWNER_TMP_KEEP_S = 3_600.0
 FUTURE_TOLERANCE_NS = 86_400 * 10**9  # the bound recency.merge_records puts on access records too
 RECHECK_S = 0.05  # how often a run reads the access logs again while it unlinks
 DEFAULT_GRACE_S = next(spec.default for spec in SPECS if spec.name == "evict_grace_s")
-_FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+# flock(2) errors that mean "no flock here": the lease lock file is used instead.  EBADF is NFS's: its
+# clients emulate flock with a byte-range lock, which a descriptor open for reading only cannot take.
+_FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
 
 #: header facts of one published file: path -> (identity, created_ns, parent key); the identity is
 #: (inode, ctime_ns) for a block file and BlockFile.file_id, (inode, mtime_ns, size), for an arena

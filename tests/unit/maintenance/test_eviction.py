@@ -191,9 +191,10 @@ def test_killed_holder_does_not_block_the_next_evictor(tmp_path):
     assert not rep.skipped and rep.evicted_blocks == 1
 
 
-def test_exclusive_file_lock_when_flock_is_unsupported(tmp_path, monkeypatch):
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EBADF], ids=["ENOLCK", "EBADF (NFS, read-only fd)"])
+def test_exclusive_file_lock_when_flock_is_unsupported(tmp_path, monkeypatch, err):
     def no_flock(fd, op):
-        raise OSError(errno.ENOLCK, "no locks available")
+        raise OSError(err, os.strerror(err))
     monkeypatch.setattr(eviction.fcntl, "flock", no_flock)
     make_pool(tmp_path)
     first, second = EvictLock(str(tmp_path)), EvictLock(str(tmp_path))
