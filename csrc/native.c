@@ -681,8 +681,8 @@ static int parse_trust(PyObject *obj, struct trust *t) {
     return 1;
 }
 
-/* PoolTrust.why_not is None: owned by a trusted uid or the trusted group, not writable by others,
- * group-writable only for the trusted group. */
+/* format/trust.py why_untrusted is None: owned by a trusted uid or the trusted group, not writable by
+ * others, group-writable only for the trusted group. */
 static int trusted(const struct trust *t, const struct stat *st) {
     if (t == NULL || !t->on) return 1;
     int uid_ok = 0, gid_ok = 0;

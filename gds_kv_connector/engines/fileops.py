@@ -10,6 +10,7 @@ import os
 import stat
 
 from gds_kv_connector.format import native
+from gds_kv_connector.format.trust import why_untrusted
 
 
 class FileOps:
@@ -69,7 +70,7 @@ class FileOps:
                     trust: native.Trust | None = None) -> list[int]:
         """Sizes of the regular files named for ``keys[start:]`` (:func:`key_name`), up to the first
         that is missing, not a regular file, fails to stat (links never followed) or, with ``trust``
-        (uids, gids), was made by no writer it names (:func:`trusted`).
+        (uids, gids), was made by no writer it names (:func:`~gds_kv_connector.format.trust.why_untrusted`).
 
         One C call where the extension is built: it keeps the GIL for the first few stats and splits
         a long run over threads (see ``present_run`` in csrc/native.c: the executor thread calls this
@@ -88,7 +89,7 @@ class FileOps:
                 st = self.stat(key_name(dirs, k, suffix))
             except OSError:
                 break
-            if not stat.S_ISREG(st.st_mode) or (trust is not None and not trusted(trust, st)):
+            if not stat.S_ISREG(st.st_mode) or (trust is not None and why_untrusted(*trust, st) is not None):
                 break
             out.append(st.st_size)
         return out
@@ -143,17 +144,3 @@ def read_exact(ops: FileOps, fd: int, buf, offset: int) -> None:
         if n <= 0:
             raise EOFError(f"file ended after {offset + done} bytes, {len(view) - done} short")
         done += n
-
-
-def trusted(trust: native.Trust, st: os.stat_result) -> bool:
-    """Whether a file could only have been made by a writer ``trust`` (uids, gids) names: owned by a
-    trusted uid or group, not writable by others, group-writable only for a trusted group (the rule
-    of the pool's PoolTrust and of the C stat loops)."""
-    uids, gids = trust
-    gid_ok = st.st_gid in gids
-    if st.st_uid not in uids and not gid_ok:
-        return False
-    if st.st_mode & stat.S_IWOTH:
-        return False
-    return not (st.st_mode & stat.S_IWGRP and not gid_ok)
-

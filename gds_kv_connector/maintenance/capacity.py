@@ -74,10 +74,7 @@ class CapacityGuard:
         if recency is not None and list(map(os.path.abspath, recency.roots)) != list(map(os.path.abspath, roots)):
             raise ValueError(f"access log of roots {recency.roots} for a pool of roots {self.roots}: a key's "
                              "records would be read as another root's")
-        # this process's queued touches count too: while its log cannot be written (a full disk,
-        # when eviction runs), they are the only record of the blocks it has just promised
-        self._indexes = [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i))
-                         for i, r in enumerate(self.roots)]
+        self._indexes = recency_indexes(self.roots, recency)
         self._mark = WriterMark([owners_dir(r) for r in self.roots])
         self._remove_dead_writers_tmp()
         self._thread: threading.Thread | None = None
@@ -175,6 +172,13 @@ class CapacityGuard:
         self.last_reports = reports
 
 
+def recency_indexes(roots: Sequence[str], recency: RecencyLog | None) -> list[RecencyIndex]:
+    """One merged access-log index per root.  This process's queued touches count too: while its log
+    cannot be written (a full disk, when eviction runs), they are the only record of the blocks it has
+    just promised."""
+    return [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i)) for i, r in enumerate(roots)]
+
+
 class PromisedKeys:
     """Which blocks some owner of the pool promised or used within the evictor's grace, from every
     owner's access log (this owner's queued records included): what a remover other than the
@@ -184,8 +188,7 @@ class PromisedKeys:
     def __init__(self, root_of: Callable[[bytes], int], roots: Sequence[str], recency: RecencyLog | None,
                  grace_s: float) -> None:
         self._root_of = root_of
-        self._indexes = [RecencyIndex(r, None if recency is None else partial(recency.unwritten, i))
-                         for i, r in enumerate(roots)]
+        self._indexes = recency_indexes(roots, recency)
         self._grace_ns = int(grace_s * 1e9)
         self._lock = threading.Lock()  # several transfer threads may need slots at once
 

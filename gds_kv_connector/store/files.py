@@ -184,19 +184,15 @@ class FileStore(BlockStore):
         failing for a reason of its own (FILE_FAULT_ERRNOS: EIO) is quarantined first: every restarted
         owner would match it and die on it again."""
         fault = isinstance(err, EOFError) or (isinstance(err, OSError) and err.errno in FILE_FAULT_ERRNOS)
-        if not fault or pin.slot is not None:
+        if not fault:
             return LoadFailure(pin.key, pin.path, f"payload read failed: {err}")
         self.pool.quarantine(pin.key, "truncated" if isinstance(err, EOFError) else f"read {cause(err)}", pin.ino)
         return LoadFailure(pin.key, pin.path, f"payload read failed: {err}; moved out of the pool (quarantined)")
 
     def checked_header(self, pin: Pin, raw: bytearray) -> int:
         """The payload checksum a pinned block's header promises, after checking the header against
-        the pool and the key (and, for a slot, the reference's creation time); raises FormatError."""
-        h = self.pool.check_header(pin, raw)
-        if pin.slot is not None and h.created_ns != pin.slot.created_ns:
-            raise FormatError(f"slot {pin.slot.slab}#{pin.slot.slot} holds a block created at {h.created_ns}, "
-                              f"not {pin.slot.created_ns}: reused")
-        return h.checksum
+        the pool and the key; raises FormatError."""
+        return self.pool.check_header(pin, raw).checksum
 
 
 def _first_of_each_key(keys: list[bytes], todo: list[int]) -> list[int]:

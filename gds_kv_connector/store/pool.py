@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from gds_kv_connector.engines.fileops import FileOps, read_exact, write_all
+from gds_kv_connector.format.trust import why_untrusted
 from gds_kv_connector.format.layout import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX, quarantine_name
 from gds_kv_connector.format.keys import chain_from_tokens
 from gds_kv_connector.util.host import HOST_TAG, parse_pid, pid_alive
@@ -89,15 +90,8 @@ class PoolTrust:
 
     def why_not(self, st: os.stat_result) -> str | None:
         """Why a writer outside the pool's could have made or changed what ``st`` describes; None
-        when only trusted writers could: it belongs to a trusted uid or the share group, and no
-        one else may write it (no write bit for others, none for a group that is not trusted)."""
-        if st.st_uid not in self.uids and st.st_gid not in self.gids:
-            return f"owned by uid {st.st_uid}, which may not write this pool"
-        if st.st_mode & stat.S_IWOTH:
-            return "writable by every user"
-        if st.st_mode & stat.S_IWGRP and st.st_gid not in self.gids:
-            return f"writable by group {st.st_gid}, which is not the pool's share group"
-        return None
+        when only trusted writers could (:func:`~gds_kv_connector.format.trust.why_untrusted`)."""
+        return why_untrusted(self.uids, self.gids, st)
 
 
 def _made_for_sharing(root: str, gid: int) -> bool:

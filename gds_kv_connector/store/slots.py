@@ -225,6 +225,23 @@ class SlotStore(FileStore):
             raise LoadFailure(pin.key, pin.path, why)
         return TransferItem(fd, arena.payload_offset(pin.slot.slot), view, header)
 
+    def _read_failure(self, pin: Pin, err: BaseException) -> LoadFailure:
+        """A slot read that failed is not its reference's fault: nothing is quarantined for it."""
+        if pin.slot is None:
+            return super()._read_failure(pin, err)
+        return LoadFailure(pin.key, pin.path, f"payload read failed: {err}")
+
+    def checked_header(self, pin: Pin, raw: bytearray) -> int:
+        """A slot's header is checked as a file's, and its creation time against the reference's: a
+        slot freed and written again since holds another block."""
+        if pin.slot is None:
+            return super().checked_header(pin, raw)
+        h = self.pool.check_header(pin, raw)
+        if h.created_ns != pin.slot.created_ns:
+            raise FormatError(f"slot {pin.slot.slab}#{pin.slot.slot} holds a block created at {h.created_ns}, "
+                              f"not {pin.slot.created_ns}: reused")
+        return h.checksum
+
     def _bad_header(self, pin: Pin, view: torch.Tensor, err: FormatError, retries: int, deadline: float) -> int:
         """A disk slot's header did not match its reference.  A reference read from the pool is
         damaged or stale: quarantined, LoadFailure.  A location this process remembered may be out of
