@@ -48,19 +48,22 @@ import json
 import logging
 import os
 import secrets
+import stat
 import time
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 from gds_kv_connector.util.atomic_file import TMP_MARK, WRITER_SUFFIX, dead_writers, mark_held, tmp_writer
-from gds_kv_connector.store.pool import tmp_is_stale
 from gds_kv_connector.util.host import HOST, HOST_TAG, pid_alive
+from gds_kv_connector.format.layout import BLOCK_SUFFIX
 from gds_kv_connector.format.records import ZERO_KEY, BlockHeader, FormatError, is_ref_size
-from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, PoolScan, RefFile, fingerprint_dirs, layout_dir, open_regular,
-                        owners_dir, quarantine_dir, quarantined_at_ns, read_published, scan_pool)
+from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, RefFile, fingerprint_dirs, layout_dir,
+                                                    mkdir_like_parent, open_regular, owners_dir, quarantine_dir,
+                                                    quarantined_at_ns, read_published)
+from gds_kv_connector.maintenance.shard_summary import (E_INO, E_KEY, E_MTIME, E_RECENCY, E_SHARE, E_SIZE, FUTURE_TOLERANCE_NS, FX_ONE,
+                                                        Entry, RootSummaries, Shard, clamp_ns, fx_bytes, refresh)
 from gds_kv_connector.maintenance.recency import RecencyIndex, fold_stale_logs
 from gds_kv_connector.maintenance.retired_owners import fold_retired_owners
 from gds_kv_connector.config.settings import SPECS
@@ -75,7 +78,9 @@ QUARANTINE_KEEP_S = 86_400.0
 LOG_FOLD_AGE_S = 3_600.0  # access logs idle this long are folded into the archive log
 OWNER_STATS_KEEP_S = 7 * 86_400.0
 OWNER_TMP_KEEP_S = 3_600.0
-FUTURE_TOLERANCE_NS = 86_400 * 10**9  # the bound recency.merge_records puts on access records too
+WINDOW_MIN = 2048  # summary entries a run takes at least: a pool with fewer is planned whole, as one graph
+WINDOW_SLACK = 1.25  # a window's first size: this many times the bytes each short root must free
+HEADER_CACHE_MAX = 1 << 16  # headers a long-lived caller's cache keeps beyond the last window's
 RECHECK_S = 0.05  # how often a run reads the access logs again while it unlinks
 DEFAULT_GRACE_S = next(spec.default for spec in SPECS if spec.name == "evict_grace_s")
 # flock(2) errors that mean "no flock here": the lease lock file is used instead.  EBADF is NFS's: its
@@ -105,7 +110,9 @@ class EvictionReport:
     protected_blocks: int = 0  # blocks inside the grace window, or promised while the run unlinked
     failed: int = 0  # unlink refused (permissions) or the file was replaced meanwhile
     unreadable_headers: int = 0
-    unreadable_entries: int = 0  # directories or entries the scan could not read: usage is a floor
+    unreadable_entries: int = 0  # directories or entries the rebuilds could not read: usage is a floor
+    names_listed: int = 0  # by this run's rebuilds of shard summaries
+    summaries_stale: int = 0  # shards whose summary is stale or missing after this run: usage lags
     tmp_removed: int = 0
     quarantine_removed: int = 0
     logs_folded: int = 0
@@ -142,7 +149,7 @@ class EvictLock:
         self._token = ""
 
     def acquire(self) -> bool:
-        _mkdir_like_parent(self.dir)
+        mkdir_like_parent(self.dir)
         # read-only is enough for flock, and works for every member of a shared group whatever
         # the creator's umask left of the file's mode
         fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
@@ -308,11 +315,11 @@ def expire_pool(roots: Sequence[str], max_age_s: float, now: float | None = None
 def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache: HeaderCache | None,
          recency: Sequence[RecencyIndex] | None, plan: Callable[[EvictionReport, int], tuple[int, int]],
          min_age_ns: int, hold_ns: int) -> list[EvictionReport]:
-    """Lock every root, scan, remove what ``plan`` asks of each root (blocks at least
-    ``min_age_ns`` old and not accessed within ``hold_ns``), tidy up.  ``plan`` gives a root's
-    bytes to free for its own budget and for its filesystem's free space; roots on one filesystem
-    share the latter (each takes a part in proportion to its usage), since what one frees, the
-    others' filesystem gains.
+    """Lock every root, bring the shard summaries up to date within their budget, remove what
+    ``plan`` asks of each root (blocks at least ``min_age_ns`` old and not accessed within
+    ``hold_ns``), tidy up.  ``plan`` gives a root's bytes to free for its own budget and for its
+    filesystem's free space; roots on one filesystem share the latter (each takes a part in
+    proportion to its usage), since what one frees, the others' filesystem gains.
 
     The locks are tried without waiting, in the pool's order of roots, and the run is skipped
     unless it holds all of them: never waiting means no deadlock, and the same order for every
@@ -330,61 +337,55 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
         return reports
     with ExitStack() as held:
         # A dry run removes nothing, so it needs no lock (taking one would create locks/ in a
-        # pool it must leave as it found it).
+        # pool it must leave as it found it); it rebuilds summaries in memory only.
         for i in ([] if dry_run else live):
             if not held.enter_context(EvictLock(roots[i])).acquire():
                 for report in reports:
                     report.skipped = True
                 return reports
-        scans = {i: scan_pool(roots[i]) for i in live}
+        now_ns = int(now * 1e9)
+        indexes = recency or [RecencyIndex(r) for r in roots]
+        skipped = [index.skipped_bytes for index in indexes]
+        access = [index.refresh() for index in indexes]  # before the rebuilds: entries record them
+        sums = {i: RootSummaries.load(roots[i], i) for i in live}
+        tallies = refresh(list(sums.values()), access, now, write=not dry_run)
         # Part of the pool could not be read: a block there may be another's parent, and its access
-        # records must not be forgotten; nothing is taken for cut off, and nothing forgotten.
-        blind = any(scan.unreadable for scan in scans.values())
-        space_share = _space_shares(devs, scans)
+        # records must not be forgotten.
+        blind = any(t.unreadable for t in tallies.values())
+        usage = {i: fx_bytes(s.live_fx) for i, s in sums.items()}
+        space_share = _space_shares(devs, usage)
         ref_budget = [0] * len(roots)  # bytes reference names may free: a budget's, never free space's
-        for i, scan in scans.items():
-            report = reports[i]
-            report.scanned_blocks, report.scanned_bytes = len(scan.blocks), scan.block_bytes
-            report.unreadable_entries = scan.unreadable
+        for i, s in sums.items():
+            report, tally = reports[i], tallies[i]
+            report.scanned_blocks, report.scanned_bytes = s.live_count, usage[i]
+            report.unreadable_entries, report.tmp_removed = tally.unreadable, tally.tmp_removed
+            report.names_listed, report.summaries_stale = tally.listed, tally.stale
             report.free_bytes = _free_bytes(roots[i])
             by_quota, by_space = plan(report, report.free_bytes)
             report.target_bytes = max(0, by_quota, int(by_space * space_share[i]))
             ref_budget[i] = max(0, by_quota)
             if not report.target_bytes:
                 report.reason = ""
-        removed: set[str] = set()
+        planner: _Planner | None = None
         if any(report.target_bytes for report in reports):
-            now_ns = int(now * 1e9)
-            nodes = _graph(len(roots), scans, header_cache, reports, now_ns, blind)
-            indexes = recency or [RecencyIndex(r) for r in roots]
-            skipped = [index.skipped_bytes for index in indexes]
-            _apply_recency(nodes, [index.refresh() for index in indexes], now_ns)  # late: sees fresh touches
-            if not blind:  # a long-lived index forgets blocks gone before this scan
-                for i, scan in scans.items():
-                    indexes[i].retain((b.key for b in scan.blocks), now_ns)
-            newest_ns, held_ns = now_ns - min_age_ns, now_ns - hold_ns
-            for n in nodes.values():
-                n.protected = n.recency > newest_ns or n.accessed > held_ns
-                reports[n.root].protected_blocks += n.protected
-            if len(roots) > 1:
-                _mark_ancestor_roots(nodes)
-            removed = _peel(nodes, reports, ref_budget, None if dry_run else _Fresh(indexes, held_ns, now_ns))
-            for i in scans:
+            planner = _Planner(roots, [sh for s in sums.values() for sh in s.shards], reports, header_cache,
+                               now_ns, access, min_age_ns, hold_ns)
+            planner.run(ref_budget, None if dry_run else _Fresh(indexes, now_ns - hold_ns, now_ns))
+            if not dry_run:
+                planner.update_summaries()
+            for i in sums:
                 reports[i].log_bytes_skipped = indexes[i].skipped_bytes - skipped[i]
+                indexes[i].forget(planner.removed_keys.get(i, ()), now_ns)
         if header_cache is not None:
-            kept = {b.path for scan in scans.values() for b in scan.blocks} - removed
-            for path in set(header_cache) - kept:
-                del header_cache[path]
+            _keep_cache(header_cache, planner)
         if not dry_run:
-            for i, scan in scans.items():
+            for i in sums:
                 report, root = reports[i], roots[i]
-                report.tmp_removed = sum(1 for p in scan.tmp if tmp_is_stale(os.path.basename(p), p, now)
-                                         and _unlink_quiet(p))
                 report.quarantine_removed = _expire_quarantine(root, now)
                 _tidy_owners(root, now)
-                if not blind:  # a fold keeps the records of the blocks it is told of, and no others
-                    report.logs_folded = fold_stale_logs(root, (b.key for b in scan.blocks if b.path not in removed),
-                                                         LOG_FOLD_AGE_S, now)
+                if not blind:  # a fold drops the records of the blocks this run removed
+                    gone = planner.removed_keys.get(i, set()) if planner is not None else set()
+                    report.logs_folded = fold_stale_logs(root, _Except(gone), LOG_FOLD_AGE_S, now)
     duration = time.monotonic() - t0
     for report in reports:
         report.duration_s = duration
@@ -393,6 +394,16 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
                      report.root, "would evict" if dry_run else "evicted", report.evicted_blocks,
                      report.evicted_bytes, report.reason, report.target_bytes, report.protected_blocks)
     return reports
+
+
+class _Except:
+    """Every key but ``gone``: what a fold keeps (:func:`~.recency.fold_stale_logs`)."""
+
+    def __init__(self, gone: set[bytes]) -> None:
+        self._gone = gone
+
+    def __contains__(self, key: object) -> bool:
+        return key not in self._gone
 
 
 def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> dict[int, int]:
@@ -416,77 +427,229 @@ def _distinct_roots(roots: tuple[str, ...], reports: list[EvictionReport]) -> di
     return live
 
 
-def _space_shares(devs: dict[int, int], scans: dict[int, PoolScan]) -> dict[int, float]:
+def _space_shares(devs: dict[int, int], usage: dict[int, int]) -> dict[int, float]:
     """Each root's part of its filesystem's free-space shortfall: roots on one filesystem (``devs``)
     split it by usage (one root alone takes all of it), so that together they free it once, not
     once each."""
     by_fs: dict[int, list[int]] = {}
-    for i in scans:
+    for i in usage:
         by_fs.setdefault(devs[i], []).append(i)
     shares: dict[int, float] = {}
     for members in by_fs.values():
-        total = sum(scans[i].block_bytes for i in members)
+        total = sum(usage[i] for i in members)
         for i in members:
-            shares[i] = scans[i].block_bytes / total if total else 1.0 / len(members)
+            shares[i] = usage[i] / total if total else 1.0 / len(members)
     return shares
 
 
-def _graph(n_roots: int, scans: dict[int, PoolScan], cache: HeaderCache | None,
-           reports: list[EvictionReport], now_ns: int, blind: bool = False) -> dict[NodeId, _Node]:
-    """Nodes of every root keyed by (fingerprint dir, key), with parent links across roots; a
-    garbage header has no parent.
+@dataclass
+class _Cand:
+    """A summary entry taken into a run's window, with what its header says."""
 
-    A block's recency starts as the newer of its header's ``created_ns`` and its mtime, each
-    clamped to ``now_ns`` and ignored when more than :data:`FUTURE_TOLERANCE_NS` ahead of it.
-    Clamping alone would not do: every run would find such a block as new as its own now.
-    An arena reference file's header is the one in the slot it names for the key (:class:`_Reader`).
+    block: BlockFile
+    root: int
+    sid: int  # its shard, by the planner's numbering
+    index: int  # of the entry in its shard's summary
+    share: int  # its part of the file's bytes, in 1/FX_ONE
+    ref: bool
+    created: int
+    parent: bytes
+
+
+class _Planner:
+    """The oldest blocks of the pool, read from the shard summaries in order, planned as a graph.
+
+    A lazy merge over every shard summary of every root yields entries oldest first; a run takes
+    them into its *window* until every root short of its target could meet it
+    (:data:`WINDOW_SLACK` times its bytes, and at least :data:`WINDOW_MIN` entries), plans the
+    window as one graph (:func:`_peel`: dangling first, then LRU; tails before heads; protected
+    blocks and their ancestors stay), and doubles the window while a root is still short.  The
+    merge stops at the first entry younger than the run's age limit: nothing after it can go.
+
+    Within the window the rules are the whole-pool plan's.  At its edge: a candidate whose parent
+    is not in the window is a leaf, or an orphan when the parent's file is absent (one lstat);
+    one whose recency, raised by its logged accesses and its descendants', passes the window's
+    edge (accessed since its summary was built) stays for a later, larger window.  A child beyond
+    the window is not seen, so a head it leads to can go before it: what keeps chains whole there
+    is the writer rule of :meth:`~.recency.RecencyLog.touch` (a chain touched head first has
+    strictly older tails), which puts tails before their heads in the merge.
     """
-    latest = now_ns + FUTURE_TOLERANCE_NS
-    nodes: dict[NodeId, _Node] = {}
 
-    def add(ri: int, b: BlockFile, ref: bool, created: int, parent: bytes) -> None:
-        published = max(created if created <= latest else 0, b.mtime_ns if b.mtime_ns <= latest else 0)
-        node = _Node(b, min(published, now_ns), None if parent == ZERO_KEY else (b.fp, parent), root=ri, ref=ref)
-        if n_roots > 1 and (b.fp, b.key) in nodes:
-            node = _keep_readable_copy(nodes, node, n_roots)
-        nodes[(b.fp, b.key)] = node
+    def __init__(self, roots: tuple[str, ...], shards: list[Shard], reports: list[EvictionReport],
+                 cache: HeaderCache | None, now_ns: int, access: list[dict[bytes, int]], min_age_ns: int,
+                 hold_ns: int) -> None:
+        self.roots, self.reports, self.cache, self.now_ns, self.access = roots, reports, cache, now_ns, access
+        self.newest_ns, self.held_ns = now_ns - min_age_ns, now_ns - hold_ns
+        self.shards = [s for s in shards if s.header is not None]
+        self.merge = heapq.merge(*(_heads(sid, s) for sid, s in enumerate(self.shards)))
+        self.cands: dict[str, _Cand] = {}  # by path
+        self.pulled = 0
+        self.pulled_fx = [0] * len(roots)
+        self.edge = 0  # summary recency of the last entry taken
+        self.exhausted = False
+        self.names: dict[tuple[int, tuple[int, int, int]], int] = {}  # names left of each reference file
+        self.exists: dict[NodeId, bool] = {}  # files outside the window looked up as parents
+        self.dead: dict[int, set[int]] = {}  # shard id -> entries removed or found gone
+        self.freed: dict[int, list[int]] = {}  # shard id -> [names removed, their bytes in 1/FX_ONE]
+        self.removed_keys: dict[int, set[bytes]] = {}  # root -> keys removed
+        self.removed_paths: set[str] = set()
+        self.promised = [0] * len(roots)  # blocks found promised while unlinking, per root
+        self._counted = [0] * len(roots)  # protected blocks of the last window, per root
 
-    def read(ri: int, b: BlockFile) -> None:
+    def run(self, ref_budget: list[int], fresh: "_Fresh | None") -> None:
+        want = WINDOW_MIN
+        while True:
+            self._pull(want)
+            nodes = self._graph()
+            removed = _peel(nodes, self.reports, ref_budget, fresh, self.names)
+            for i, report in enumerate(self.reports):
+                self.promised[i] = report.protected_blocks - self._counted[i]
+            for path in removed:
+                self._removed(self.cands.pop(path), fresh is None)
+            short = any(r.evicted_bytes < r.target_bytes for r in self.reports)
+            if not short or self.exhausted:
+                return
+            want = 2 * self.pulled
+
+    def _pull(self, want: int) -> None:
+        """Take entries until ``want`` are taken and every short root has its target's worth."""
+        slack = [int(WINDOW_SLACK * max(0, r.target_bytes - r.evicted_bytes)) * FX_ONE for r in self.reports]
+        batch: list[tuple[Shard, int, int, Entry]] = []
+        while self.pulled < want or any(self.pulled_fx[i] < slack[i] for i in range(len(slack))):
+            item = next(self.merge, None)
+            # what follows is within the age limit; a small pool is still taken whole, as one graph
+            if item is None or (item[0] > self.newest_ns and self.pulled >= WINDOW_MIN):
+                self.exhausted = True
+                break
+            _, _, sid, idx, e = item
+            shard = self.shards[sid]
+            self.edge = item[0]
+            self.pulled += 1
+            self.pulled_fx[shard.root] += e[E_SHARE]
+            batch.append((shard, sid, idx, e))
+        # names of one reference file one after another: it is parsed, and its slab opened, once
+        batch.sort(key=lambda c: (c[3][E_INO], c[3][E_MTIME]) if is_ref_size(c[3][E_SIZE]) else (0, 0))
+        with _Reader() as reader:
+            for shard, sid, idx, e in batch:
+                self._read(reader, shard, sid, idx, e)
+
+    def _read(self, reader: "_Reader", shard: Shard, sid: int, idx: int, e: Entry) -> None:
+        key = e[E_KEY]
+        path = os.path.join(shard.dir, key.hex() + BLOCK_SUFFIX)
         try:
-            ref, created, parent = reader.read(b)
+            st = os.lstat(path)
         except FileNotFoundError:
+            self.dead.setdefault(sid, set()).add(idx)
             return
-        if parent is None:
-            reports[ri].unreadable_headers += 1
-            parent = ZERO_KEY
-        elif cache is not None:
-            cache[b.path] = (_identity(b, ref), created, parent)
-        add(ri, b, ref, created, parent)
+        except OSError:
+            return
+        if (st.st_ino, st.st_mtime_ns) != (e[E_INO], e[E_MTIME]) or not stat.S_ISREG(st.st_mode):
+            return  # replaced since the summary: its shard is stale, and its next rebuild sees the new file
+        b = BlockFile(shard.fp, key, path, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        hit = self.cache.get(path) if self.cache is not None else None
+        if hit is not None and hit[0] == _identity(b, len(hit[0]) == 3):
+            ref, created, parent = len(hit[0]) == 3, hit[1], hit[2]
+        else:
+            try:
+                ref, created, parent_read = reader.read(b)
+            except FileNotFoundError:
+                self.dead.setdefault(sid, set()).add(idx)
+                return
+            if parent_read is None:
+                self.reports[shard.root].unreadable_headers += 1
+                parent = ZERO_KEY
+            else:
+                parent = parent_read
+                if self.cache is not None:
+                    self.cache[path] = (_identity(b, ref), created, parent)
+        if ref:
+            self.names.setdefault((shard.root, b.file_id), st.st_nlink)
+        self.cands[path] = _Cand(b, shard.root, sid, idx, e[E_SHARE], ref, created, parent)
 
-    with _Reader() as reader:
-        for ri, scan in scans.items():
-            # names of a size a reference file can have, by file: the names of one reference file are
-            # read one after another, so that it is parsed and its slab opened once for all of them
-            shared: dict[tuple[int, int, int], list[BlockFile]] = {}
-            for b in scan.blocks:
-                hit = cache.get(b.path) if cache is not None else None
-                if hit is not None and hit[0] == _identity(b, len(hit[0]) == 3):
-                    add(ri, b, len(hit[0]) == 3, hit[1], hit[2])
-                elif is_ref_size(b.size):
-                    shared.setdefault(b.file_id, []).append(b)
-                else:
-                    read(ri, b)
-            for names in shared.values():
-                for b in names:
-                    read(ri, b)
-    for n in nodes.values():
-        if n.parent is not None:
-            if n.parent in nodes:
-                nodes[n.parent].children += 1
-            else:  # gone; or, with part of the pool unread (``blind``), perhaps only not seen
-                n.parent, n.orphan = None, not blind
-    _mark_dangling(nodes)
-    return nodes
+    def _graph(self) -> dict[NodeId, _Node]:
+        """The window as a graph: nodes keyed by (fingerprint dir, key), parent links across roots,
+        recency raised by accesses and descendants, protection marked.  A block's recency starts as
+        the newer of its header's ``created_ns`` and its mtime, each clamped (:func:`clamp_ns`)."""
+        n_roots, now_ns = len(self.roots), self.now_ns
+        nodes: dict[NodeId, _Node] = {}
+        for c in self.cands.values():
+            b = c.block
+            published = max(clamp_ns(c.created, now_ns), clamp_ns(b.mtime_ns, now_ns))
+            node = _Node(b, published, None if c.parent == ZERO_KEY else (b.fp, c.parent), root=c.root, ref=c.ref)
+            if n_roots > 1 and (b.fp, b.key) in nodes:
+                node = _keep_readable_copy(nodes, node, n_roots)
+            nodes[(b.fp, b.key)] = node
+        for n in nodes.values():
+            if n.parent is not None:
+                if n.parent in nodes:
+                    nodes[n.parent].children += 1
+                else:  # outside the window: a leaf here, an orphan if its parent's file is gone
+                    n.parent, n.orphan = None, not self._parent_exists(n.parent)
+        _mark_dangling(nodes)
+        _apply_recency(nodes, self.access, now_ns)
+        self._counted = [0] * len(self.roots)
+        for n in nodes.values():
+            n.protected = n.recency > self.newest_ns or n.accessed > self.held_ns
+            self._counted[n.root] += n.protected
+            if not n.protected and not self.exhausted and n.recency > self.edge:
+                n.protected = True  # newer than the window's edge: older blocks may lie beyond it
+        if len(self.roots) > 1:
+            _mark_ancestor_roots(nodes)
+        for i, report in enumerate(self.reports):
+            report.protected_blocks = self.promised[i] + self._counted[i]
+        return nodes
+
+    def _parent_exists(self, parent: NodeId) -> bool:
+        known = self.exists.get(parent)
+        if known is None:
+            fp, key = parent
+            name = key.hex()
+            path = os.path.join(layout_dir(self.roots[key[0] % len(self.roots)]), fp, name[:2], name + BLOCK_SUFFIX)
+            try:
+                os.lstat(path)
+                known = True
+            except FileNotFoundError:
+                known = False
+            except OSError:
+                known = True  # unreadable: perhaps there, so nothing is taken for cut off
+            self.exists[parent] = known
+        return known
+
+    def _removed(self, c: _Cand, dry_run: bool) -> None:
+        sid = c.sid
+        self.removed_paths.add(c.block.path)
+        self.exists[(c.block.fp, c.block.key)] = False
+        self.removed_keys.setdefault(c.root, set()).add(c.block.key)
+        if not dry_run:
+            self.dead.setdefault(sid, set()).add(c.index)
+            freed = self.freed.setdefault(sid, [0, 0])
+            freed[0] += 1
+            freed[1] += c.share
+
+    def update_summaries(self) -> None:
+        """Rewrite the header of every summary whose shard this run unlinked in (or found entries gone)."""
+        for sid, dead in self.dead.items():
+            removed, fx = self.freed.get(sid, (0, 0))
+            self.shards[sid].update(dead, removed, fx)
+
+
+
+def _heads(sid: int, shard: Shard) -> Iterator[tuple[int, bytes, int, int, Entry]]:
+    """A shard summary's entries as the planner's merge takes them: (recency, key, shard id, index, entry)."""
+    for idx, e in shard.cursor():
+        yield e[E_RECENCY], e[E_KEY], sid, idx, e
+
+
+def _keep_cache(cache: HeaderCache, planner: "_Planner | None") -> None:
+    """Keep in a long-lived caller's header cache the headers of the window's blocks that stay (the
+    next run reads the same oldest blocks first), and no more than :data:`HEADER_CACHE_MAX`."""
+    if planner is not None:
+        for path in planner.removed_paths:
+            cache.pop(path, None)
+    if len(cache) > HEADER_CACHE_MAX:
+        kept = planner.cands if planner is not None else {}
+        for path in [p for p in cache if p not in kept]:
+            del cache[path]
 
 
 def _identity(b: BlockFile, ref: bool) -> tuple[int, ...]:
@@ -500,7 +663,7 @@ class _Reader:
     A block file's header is its first page.  An arena reference file names, for each key of its
     batch, a slot of a slab; the slot holds the block's header, which must be a valid header of that
     key and of the record the reference names (its ``created``), as :mod:`.operations` verify checks
-    it.  The names of one reference file are read one after another (:func:`_graph` groups them), so
+    it.  The names of one reference file are read one after another (:meth:`_Planner._pull` groups them), so
     the file is parsed once for all its keys and its slab opened once, not once per key.
     """
 
@@ -604,7 +767,7 @@ def _mark_dangling(nodes: dict[NodeId, _Node]) -> None:
 def _apply_recency(nodes: dict[NodeId, _Node], access: list[dict[bytes, int]], now_ns: int) -> None:
     """Fold logged accesses in (``access[i]``: root i's logs, where a key's records go), then raise
     every parent to its newest descendant (leaves up).  Access times are taken as
-    :func:`_graph` takes publication times: clamped to ``now_ns``, ignored far beyond it."""
+    :meth:`_Planner._graph` takes publication times: clamped to ``now_ns``, ignored far beyond it."""
     latest = now_ns + FUTURE_TOLERANCE_NS
     for n in nodes.values():
         t = access[n.root].get(n.block.key, 0)
@@ -648,10 +811,12 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node]) -> None:
 
 
 def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget: list[int],
-          fresh: "_Fresh | None") -> set[str]:
+          fresh: "_Fresh | None", names: dict[tuple[int, tuple[int, int, int]], int]) -> set[str]:
     """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
     a parent becomes a leaf once all its children are gone, and nothing protected goes, nor what
     ``fresh`` finds promised since the plan (without ``fresh``, a dry run: nothing is unlinked).
+    ``names`` holds the names left of each reference file (its link count when first read): its
+    bytes are freed, and counted, when the last one goes.
 
     A leaf in a root already within its target goes only when an ancestor of it lies in a root
     still short of its target: a chain's tail in one root is what keeps its head in another
@@ -659,8 +824,6 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget:
     """
     short = sum(1 << i for i, r in enumerate(reports) if r.evicted_bytes < r.target_bytes)
     left = {k: n.children for k, n in nodes.items()}
-    # names left of each reference file: its bytes are freed, and counted, when the last one goes
-    names = Counter((n.root, n.block.file_id) for n in nodes.values() if n.ref)
     heap = [(not n.dangling, n.recency, n.block.path, k) for k, n in nodes.items() if n.children == 0]
     heapq.heapify(heap)
     removed: set[str] = set()
@@ -829,16 +992,6 @@ def _free_bytes(root: str) -> int:
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
-
-
-def _mkdir_like_parent(d: str) -> None:
-    """Create ``d`` with its parent's mode so a group-shared pool stays group-shared."""
-    try:
-        mode = os.stat(os.path.dirname(d)).st_mode & 0o7777
-        os.mkdir(d, mode)
-        os.chmod(d, mode)
-    except FileExistsError:
-        pass
 
 
 def _file_mode(d: str) -> int:

@@ -119,6 +119,21 @@ def fingerprint_dirs(root: str) -> list[str]:
     return _fp_names(list_dir(layout_dir(root)))
 
 
+def is_key_stem(name: str) -> bool:
+    """Whether ``name`` is lower-case hex digits only (a key's name, or its shard's)."""
+    return set(name) <= _HEX
+
+
+def mkdir_like_parent(d: str) -> None:
+    """Create ``d`` with its parent's mode so a group-shared pool stays group-shared."""
+    try:
+        mode = os.stat(os.path.dirname(d)).st_mode & 0o7777
+        os.mkdir(d, mode)
+        os.chmod(d, mode)
+    except FileExistsError:
+        pass
+
+
 def _fp_names(names: list[str]) -> list[str]:
     return sorted(n for n in names if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
 

@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import chain
 
 from gds_kv_connector.util.atomic_file import atomic_write, pwrite_all, still_named, warn_once
@@ -67,7 +67,17 @@ _FUTURE_SLACK_NS = 86_400 * 10**9
 _OPEN_LOCK = threading.RLock()  # for_process holds it while __init__ takes it again
 _OPEN_PATHS: set[str] = set()
 _SHARED: dict[tuple[str, ...], "RecencyLog"] = {}
-Batch = tuple[int, Sequence[bytes]]  # (unix ns, keys) of one touch
+#: one touch: (unix ns, keys, offsets); key i is stamped ns - offsets[i], or ns - i when offsets is
+#: None (:meth:`RecencyLog.touch`); a root's part of a touch keeps its keys' stamps through offsets
+Batch = tuple[int, Sequence[bytes], Sequence[int] | None]
+
+
+def stamped(batch: Batch) -> Iterator[tuple[bytes, int]]:
+    """(key, unix ns) of each key of ``batch``: strictly descending in the order the keys were given."""
+    ts, keys, offsets = batch
+    if offsets is None:
+        return ((key, ts - i) for i, key in enumerate(keys))
+    return ((key, ts - off) for key, off in zip(keys, offsets))
 
 
 def default_owner_id() -> str:
@@ -135,12 +145,18 @@ class RecencyLog:
     def touch(self, keys: Sequence[bytes], now_ns: int | None = None) -> None:
         """Record an access to ``keys``; the sequence is kept as is, so do not mutate it later.
 
+        The keys get strictly descending stamps in the order given: ``keys[0]`` the touch's time
+        (``now_ns``, else now), ``keys[i]`` that minus ``i`` ns.  Callers pass a chain head first, so
+        within one access a tail is always older than its head, and the evictor, which reads the
+        oldest blocks first and looks no further than it needs (:mod:`.eviction`), meets a chain's
+        tail before its head.
+
         Only a deque append (under a lock that is never held across I/O), so it is safe on the
         executor thread; if flushes fail for long enough the oldest batches are dropped rather
         than letting memory grow.
         """
         if keys:
-            batch = (now_ns or time.time_ns(), keys)
+            batch = (now_ns or time.time_ns(), keys, None)
             with self._pending_lock:
                 if len(self._pending) + self._held_n >= MAX_PENDING_BATCHES:
                     self._drop_oldest()
@@ -171,8 +187,8 @@ class RecencyLog:
         n_roots = len(self.roots)
         newest: dict[bytes, int] = {}
         get = newest.get
-        for ts, keys in queued:
-            for key in keys:
+        for batch in queued:
+            for key, ts in stamped(batch):
                 if key[0] % n_roots == root and get(key, 0) < ts:
                     newest[key] = ts
         return newest
@@ -215,7 +231,7 @@ class RecencyLog:
             failed: list[int] = []
             for i in sorted(out, key=self._failing.__getitem__):  # a retry may be slow: healthy roots first
                 owner_log, batches_i = self._logs[i], out[i]
-                records = [RECORD.pack(key, ts) for ts, keys in batches_i for key in keys]
+                records = [RECORD.pack(key, ts) for batch in batches_i for key, ts in stamped(batch)]
                 try:
                     owner_log.append(b"".join(records))
                 except OSError as exc:
@@ -249,13 +265,15 @@ class RecencyLog:
         if n_roots == 1:
             return [batches]
         parts: list[list[Batch]] = [[] for _ in self.roots]
-        for ts, keys in batches:
-            by_root: list[list[bytes]] = [[] for _ in self.roots]
-            for key in keys:
-                by_root[key[0] % n_roots].append(key)
-            for part, root_keys in zip(parts, by_root):
+        for ts, keys, offsets in batches:
+            by_root: list[tuple[list[bytes], list[int]]] = [([], []) for _ in self.roots]
+            for i, key in enumerate(keys):
+                root_keys, root_offsets = by_root[key[0] % n_roots]
+                root_keys.append(key)
+                root_offsets.append(i if offsets is None else offsets[i])
+            for part, (root_keys, root_offsets) in zip(parts, by_root):
                 if root_keys:
-                    part.append((ts, root_keys))
+                    part.append((ts, root_keys, root_offsets))
         return parts
 
     def _keep_bound(self) -> None:
@@ -281,7 +299,7 @@ class RecencyLog:
             self._thread.join()
         self.flush()
         with self._pending_lock:
-            lost = sum(len(keys) for _, keys in chain(self._pending, *self._held))
+            lost = sum(len(batch[1]) for batch in chain(self._pending, *self._held))
             self._pending.clear()
             for q in self._held:
                 q.clear()
@@ -420,6 +438,18 @@ class RecencyIndex:
                 os.close(fd)
             self._offsets[name] = (st.st_ino, done)
 
+    def forget(self, gone: Iterable[bytes], scanned_ns: int) -> int:
+        """Forget the keys in ``gone`` (blocks an eviction run removed) unless touched at or after
+        ``scanned_ns``; returns how many.  Safe as :meth:`retain` is: a block saved again under a
+        forgotten key is newer than any touch forgotten."""
+        latest = self.latest
+        n = 0
+        for key in gone:
+            if latest.get(key, scanned_ns) < scanned_ns:
+                del latest[key]
+                n += 1
+        return n
+
     def retain(self, live_keys: Iterable[bytes], scanned_ns: int) -> int:
         """Forget the keys not in ``live_keys`` (a scan of the pool); returns how many.
 
@@ -457,8 +487,14 @@ def merge_records(data: bytes, into: dict[bytes, int] | None = None) -> dict[byt
     return latest
 
 
-def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, now: float | None = None) -> int:
+def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], older_than_s: float,
+                    now: float | None = None) -> int:
     """Merge logs untouched for ``older_than_s`` into one archive log, keeping only live keys.
+
+    ``live_keys`` is tested by ``in``: a set of every live key, or, for an evictor that does not
+    list the pool, a container of every key but those it removed.  The archive is written oldest
+    record first, so that when it outgrows :data:`MAX_READ_BYTES` the records a read passes over
+    are the oldest, whatever keys of removed blocks it still holds.
 
     Every process start creates a new log, so without this the owners directory grows for
     ever.  Must run under the eviction lock (one archiver at a time).  A stale log is renamed
@@ -492,19 +528,25 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes], older_than_s: float, 
     latest = _merge_file(archive, {})
     for path in taken:
         _merge_file(path, latest)
-    live = set(live_keys)
+    # a list is a container too, but a slow one: only a set-like or custom one is used as given
+    live = live_keys if isinstance(live_keys, Container) and not isinstance(live_keys, Sequence) \
+        else set(live_keys)  # type: ignore[arg-type]
     kept = {k: t for k, t in latest.items() if k in live}
     if not taken and len(kept) >= ARCHIVE_KEEP_FRACTION * len(latest):
         # Nothing folded and few keys to drop: a rewrite is a new inode that every owner's index
         # then reads whole again, on every eviction run.
         return 0
-    atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in kept.items()))
+    atomic_write(archive, b"".join(RECORD.pack(k, t) for k, t in sorted(kept.items(), key=_stamp)))
     for path in taken:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
     return len(taken)
+
+
+def _stamp(item: tuple[bytes, int]) -> int:
+    return item[1]
 
 
 def _is_log(name: str) -> bool:

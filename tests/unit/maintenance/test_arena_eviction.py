@@ -90,15 +90,14 @@ def test_a_name_republished_since_the_scan_is_not_evicted(shm_root, engine, monk
     a = _pool(shm_root, engine, 16, per_slab=16)
     keys, d = _keys(4, b"re"), _data(5, 6)
     assert open_store(a, engine).save(keys, [ZERO_KEY] * 4, [d[i] for i in range(4)]).published == 4  # one file
-    real_scan = eviction.scan_pool
+    real_pull = eviction._Planner._pull
 
-    def scan_then_replace(root):
-        scan = real_scan(root)
-        os.unlink(a.path_for(keys[1]))  # evicted by its owner and saved again since the scan
+    def read_then_replace(planner, want):
+        real_pull(planner, want)  # the run reads its window's names
+        os.unlink(a.path_for(keys[1]))  # evicted by its owner and saved again since the run read it
         a.forget(keys[1])
         assert open_store(a, engine).save(keys[1:2], [ZERO_KEY], [d[4]]).published == 1
-        return scan
-    monkeypatch.setattr(eviction, "scan_pool", scan_then_replace)
+    monkeypatch.setattr(eviction._Planner, "_pull", read_then_replace)
     rep = evict(shm_root, quota_bytes=1, low_watermark=0.5, min_free_bytes=0, grace_s=0, now=LATER)
     assert rep.failed == 1 and _present(a, keys) == [1]  # the other names of the scanned file all went
     a.arena.close()

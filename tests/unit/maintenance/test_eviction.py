@@ -152,14 +152,14 @@ def test_dry_run_removes_nothing(tmp_path):
 def test_replaced_file_is_not_evicted(tmp_path, monkeypatch):
     pool = make_pool(tmp_path)
     put(pool, key(1))
-    real_scan = eviction.scan_pool
+    real_read = eviction._Reader.read
 
-    def scan_then_replace(root):
-        scan = real_scan(root)
-        os.unlink(pool.path_for(key(1)))  # evicted by someone else and republished since the scan
+    def read_then_replace(self, block):
+        facts = real_read(self, block)
+        os.unlink(pool.path_for(key(1)))  # evicted by someone else and republished since it was read
         put(pool, key(1))
-        return scan
-    monkeypatch.setattr(eviction, "scan_pool", scan_then_replace)
+        return facts
+    monkeypatch.setattr(eviction._Reader, "read", read_then_replace)
     rep = evict(str(tmp_path), 1, 0.5, 0, 1, now=LATER)
     assert rep.failed == 1 and present(tmp_path) == {key(1)}
 

@@ -28,7 +28,8 @@ def test_touch_is_only_buffered_until_flush(tmp_path):
     rl.touch([key(1), key(2)], NOW)
     assert load_recency(str(tmp_path)) == {}
     assert rl.flush() == 2
-    assert load_recency(str(tmp_path)) == {key(1): NOW, key(2): NOW}
+    # one touch stamps its keys strictly descending, in the order given: a chain's head first
+    assert load_recency(str(tmp_path)) == {key(1): NOW, key(2): NOW - 1}
     rl.close()
 
 
@@ -99,7 +100,7 @@ def test_log_is_compacted_when_large(tmp_path):
         rl.flush()
     path = os.path.join(owners_dir(str(tmp_path)), "a.access")
     assert os.path.getsize(path) <= cap + 20 * RECORD.size
-    assert load_recency(str(tmp_path)) == {key(i): NOW + 29 for i in range(20)}
+    assert load_recency(str(tmp_path)) == {key(i): NOW + 29 - i for i in range(20)}
     rl.close()
 
 
@@ -119,7 +120,7 @@ def test_index_reads_only_appended_records_and_survives_compaction(tmp_path):
     assert os.stat(os.path.join(owners_dir(str(tmp_path)), "a.access")).st_ino != ino
     rl.touch([key(99)], NOW + 9)
     rl.flush()
-    assert idx.refresh() == {key(i): NOW + 5 for i in range(30)} | {key(99): NOW + 9}
+    assert idx.refresh() == {key(i): NOW + 5 - i for i in range(30)} | {key(99): NOW + 9}
     rl.close()
 
 
@@ -129,7 +130,7 @@ def test_keys_go_to_the_root_that_holds_them(tmp_path):
     rl.touch([key(0x10), bytes([1]) + bytes(31)], NOW)  # key[0] % 2 picks the root
     rl.close()
     assert load_recency(roots[0]) == {key(0x10): NOW}
-    assert load_recency(roots[1]) == {bytes([1]) + bytes(31): NOW}
+    assert load_recency(roots[1]) == {bytes([1]) + bytes(31): NOW - 1}  # the touch's second key
 
 
 def test_fold_stale_logs_keeps_live_keys_and_owner_restarts_its_log(tmp_path):
@@ -165,7 +166,7 @@ def test_an_archive_is_rewritten_only_when_it_folds_a_log_or_sheds_many_dead_key
     assert os.stat(archive).st_ino == ino  # one dead key of eight: left for later
     assert fold_stale_logs(root, [key(i) for i in range(5)], older_than_s=3600) == 0
     assert os.stat(archive).st_ino != ino  # three of eight: the archive sheds them
-    assert load_recency(root) == {key(i): NOW for i in range(5)}
+    assert load_recency(root) == {key(i): NOW - i for i in range(5)}
 
 
 def test_one_log_per_process_and_owner(tmp_path):
@@ -203,7 +204,7 @@ def _failing_writes(monkeypatch, errno_: int = errno.ENOSPC, times: int | None =
 
 def _queued(rl: RecencyLog) -> list[Sequence[bytes]]:
     """Every root's records a failed write gave back, then the touches no flush has taken yet."""
-    return [keys for _, keys in chain(*rl._held, rl._pending)]
+    return [batch[1] for batch in chain(*rl._held, rl._pending)]
 
 
 @pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EIO])
@@ -262,9 +263,9 @@ def test_only_the_failing_roots_records_are_kept(tmp_path):
         _failing_writes(mp, only_fd=lambda: rl._logs[0].fd)
         rl.touch([k0, k1], NOW + 1)
         assert rl.flush() == 1  # root 1 written, root 0 kept
-    assert load_recency(roots[1]) == {k1: NOW + 1} and load_recency(roots[0]) == {}
+    assert load_recency(roots[1]) == {k1: NOW} and load_recency(roots[0]) == {}  # its second key: NOW + 1 - 1
     assert rl.flush() == 1  # only root 0's record: root 1's is not written twice
-    assert load_recency(roots[0]) == {k0: NOW + 1}
+    assert load_recency(roots[0]) == {k0: NOW + 1}  # the touch's first key
     assert os.path.getsize(os.path.join(owners_dir(roots[1]), "a.access")) == 2 * RECORD.size
     assert rl.dropped == 0
     rl.close()
@@ -340,7 +341,7 @@ def test_a_log_taken_by_a_failed_fold_stays_visible_until_the_next_fold(tmp_path
         with pytest.raises(OSError):
             fold_stale_logs(root, [key(1)], older_than_s=3600)
     assert [n for n in os.listdir(owners_dir(root)) if not n.startswith("dead.access.fold-")] == []
-    assert load_recency(root) == {key(1): NOW, key(2): NOW}  # still read under its private name
+    assert load_recency(root) == {key(1): NOW, key(2): NOW - 1}  # still read under its private name
     assert fold_stale_logs(root, [key(1)], older_than_s=3600) == 1  # the next fold takes it
     assert sorted(os.listdir(owners_dir(root))) == [ARCHIVE_NAME]
     assert load_recency(root) == {key(1): NOW}
@@ -457,7 +458,7 @@ def test_a_failing_root_backs_off_alone(tmp_path, monkeypatch):
             assert _wait_for(lambda: k in load_recency(roots[1])), "the healthy root waited for the failing one"
             assert _CountingRecord.packed == n  # its own record, not root 0's backlog as well
         rl.promise([backlog[0]])  # root 0 backs off: queued by the flusher, not retried at this promise
-        assert _wait_for(lambda: [len(ks) for _, ks in rl._held[0]] == [len(backlog), 1])
+        assert _wait_for(lambda: [len(batch[1]) for batch in rl._held[0]] == [len(backlog), 1])
         assert len(attempts) == 1 and _CountingRecord.packed == len(healthy)
         assert load_recency(roots[0]) == {}
     finally:

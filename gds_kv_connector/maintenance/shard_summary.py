@@ -1,0 +1,457 @@
+"""Shard summaries: what a key directory holds, kept on disk so that maintenance does not list the pool.
+
+A pool holds millions of block files in 256 key directories ("shards") per fingerprint.  Listing and
+lstat'ing all of them on every eviction run, ``gds-kv gc`` or ``gds-kv stats`` costs time and memory
+linear in the pool.  Instead each shard has a summary, ``<root>/gdskv-v1/summaries/<fp>/<shard>.sum``
+(docs/format.md, "Shard summaries"): its live count and bytes, and its entries sorted oldest first,
+so that the evictor reads only the oldest entries of each shard, and stats only the headers.
+
+Rules, and why:
+
+* A summary is current while its shard directory's (inode, mtime_ns) are the ones recorded when it
+  was listed: creating or removing a name in a directory changes its mtime.  The directory is
+  stat'ed *before* it is listed, so a publication during the listing leaves the summary stale.
+* A rebuild lists the directory once (``scandir``; the inode is in the directory entry) and keeps
+  the data of every name whose inode the old summary recorded, lstat'ing only new names; it never
+  opens a block (a block's mtime is its publication time).  One shard is in memory at a time.
+* Rebuilds are budgeted (:data:`LIST_BUDGET` names per run, oldest-built first); a summary older
+  than :data:`MAX_AGE_S` is rebuilt like a stale one, so a publication that landed while the
+  evictor itself unlinked in that shard (it then records the directory's new mtime) is seen
+  later.  Until rebuilt, a shard is used as its summary says: usage and order lag.
+* Only the holder of the pool's eviction lock writes summaries (whole, by rename; or the header
+  alone, in place, after its own unlinks).  A reader that finds a header failing its magic,
+  version, CRC or size takes the summary for missing.
+* A shard listed is a shard whose writers' stale temporary files are removed (:func:`~.pool.tmp_is_stale`);
+  a summary that counted temporary files is rebuilt once they may have become stale.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+
+from gds_kv_connector.format.layout import BLOCK_SUFFIX, TMP_PREFIX
+from gds_kv_connector.format.records import is_ref_size
+from gds_kv_connector.maintenance.pool_scan import (fingerprint_dirs, is_key_stem, layout_dir, list_dir,
+                                                    mkdir_like_parent, open_regular)
+from gds_kv_connector.store.pool import TMP_YOUNG_S, tmp_is_stale
+from gds_kv_connector.util.atomic_file import TMP_MARK, atomic_write, pwrite_all
+
+SUMMARIES_DIR = "summaries"  # not 16 hex digits: pool walks take it for no fingerprint
+SUMMARY_SUFFIX = ".sum"
+MAGIC = b"GDKVSUM\x00"
+VERSION = 1
+#: magic, version, header size, entry size, the shard directory's inode and mtime_ns when listed,
+#: built_ns, entries in the file, start (leading entries consumed), live count, live bytes (in
+#: 1/FX_ONE bytes), temporary files, their bytes, foreign entries; then a CRC32 of all that
+_HEAD = struct.Struct("<8sHHIQqqQQQQQQQ")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEAD.size + _CRC.size
+#: key, recency_ns, size, inode, mtime_ns, share (this name's part of the file's bytes, in 1/FX_ONE)
+ENTRY = struct.Struct("<32sqQQqQ")
+FX_ONE = 1 << 10  # a reference file's bytes are split over its names: sizes are kept in 1/1024 byte
+MAX_ENTRIES = 1 << 26  # per shard: what a header may claim before its file is taken for garbage
+READ_ENTRIES = 256  # entries of one summary brought into memory by one read
+LIST_BUDGET = 200_000  # names listed by the rebuilds of one run
+MAX_AGE_S = 900.0  # a summary older than this is rebuilt even when its directory looks unchanged
+TMP_KEEP_S = 3_600.0  # a summary's own temporary file (a writer that died) goes after this
+FUTURE_TOLERANCE_NS = 86_400 * 10**9  # a time further ahead than this is a broken clock's: unknown
+
+# entry fields, by position (entries are plain tuples: millions go through a run's merge)
+E_KEY, E_RECENCY, E_SIZE, E_INO, E_MTIME, E_SHARE = range(6)
+Entry = tuple[bytes, int, int, int, int, int]
+
+
+def clamp_ns(t: int, now_ns: int) -> int:
+    """A time as the evictor takes it: one ahead of ``now_ns`` counts as now, one more than
+    :data:`FUTURE_TOLERANCE_NS` ahead as unknown (0), so a wrong clock cannot keep a block fresh."""
+    return 0 if t > now_ns + FUTURE_TOLERANCE_NS else min(t, now_ns)
+
+
+@dataclass
+class Header:
+    dir_ino: int = 0
+    dir_mtime_ns: int = 0
+    built_ns: int = 0
+    count: int = 0
+    start: int = 0
+    live_count: int = 0
+    live_fx: int = 0
+    tmp_files: int = 0
+    tmp_bytes: int = 0
+    foreign: int = 0
+
+    def pack(self) -> bytes:
+        head = _HEAD.pack(MAGIC, VERSION, HEADER_SIZE, ENTRY.size, *(getattr(self, f.name) for f in fields(self)))
+        return head + _CRC.pack(zlib.crc32(head))
+
+    @property
+    def live_bytes(self) -> int:
+        return fx_bytes(self.live_fx)
+
+
+def fx_bytes(fx: int) -> int:
+    """Whole bytes of ``fx`` 1/:data:`FX_ONE` bytes, rounded."""
+    return (fx + FX_ONE // 2) // FX_ONE
+
+
+def parse_header(raw: bytes, file_size: int) -> Header | None:
+    """The header at the start of a summary of ``file_size`` bytes, or None (the summary is then
+    missing) when its magic, version, sizes or CRC are wrong or the file's size does not match its count."""
+    if len(raw) < HEADER_SIZE:
+        return None
+    head = raw[:_HEAD.size]
+    magic, version, header_size, entry_size, *values = _HEAD.unpack(head)
+    (crc,) = _CRC.unpack_from(raw, _HEAD.size)
+    if (magic, version, header_size, entry_size) != (MAGIC, VERSION, HEADER_SIZE, ENTRY.size) \
+            or crc != zlib.crc32(head):
+        return None
+    h = Header(*values)
+    if h.count > MAX_ENTRIES or file_size != HEADER_SIZE + h.count * ENTRY.size or h.start > h.count \
+            or h.live_count > h.count - h.start:
+        return None
+    return h
+
+
+def read_header(path: str) -> tuple[Header, int] | None:
+    """(header, inode) of the summary at ``path``, or None when it is missing or unusable."""
+    try:
+        fd, st = open_regular(path)
+    except OSError:
+        return None
+    try:
+        h = parse_header(os.pread(fd, HEADER_SIZE, 0), st.st_size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None if h is None else (h, st.st_ino)
+
+
+def encode(header: Header, entries: Sequence[Entry]) -> bytes:
+    """A whole summary: ``header`` (its count set from ``entries``), then the entries."""
+    header.count = len(entries)
+    return header.pack() + b"".join(ENTRY.pack(*e) for e in entries)
+
+
+@dataclass
+class Shard:
+    """One key directory and its summary, as one run sees them."""
+
+    root: int  # index of the pool root
+    fp: str
+    sub: str
+    dir: str
+    path: str  # the summary file
+    dir_id: tuple[int, int] | None = None  # (inode, mtime_ns) of the directory now; None: gone or unreadable
+    header: Header | None = None
+    ino: int = 0  # the summary file's inode, when read from a file
+    data: bytes | None = None  # a summary rebuilt but not written (a dry run): read from here
+    fresh: bool = False  # rebuilt by this run
+
+    @property
+    def current(self) -> bool:
+        h = self.header
+        return h is not None and self.dir_id == (h.dir_ino, h.dir_mtime_ns)
+
+    def entries(self, first: int, n: int) -> list[Entry]:
+        """Entries ``[first, first + n)``, fewer at the end or if the file was replaced since."""
+        h = self.header
+        if h is None or first >= h.count:
+            return []
+        n = min(n, h.count - first)
+        off = HEADER_SIZE + first * ENTRY.size
+        if self.data is not None:
+            raw = self.data[off:off + n * ENTRY.size]
+        else:
+            try:
+                fd, st = open_regular(self.path)
+            except OSError:
+                return []
+            try:
+                if st.st_ino != self.ino:
+                    return []
+                raw = os.pread(fd, n * ENTRY.size, off)
+            finally:
+                os.close(fd)
+        return list(ENTRY.iter_unpack(raw[:len(raw) - len(raw) % ENTRY.size]))
+
+    def cursor(self) -> Iterator[tuple[int, Entry]]:
+        """(index, entry) from ``start`` on, :data:`READ_ENTRIES` at a time."""
+        i = self.header.start if self.header is not None else 0
+        while True:
+            chunk = self.entries(i, READ_ENTRIES)
+            if not chunk:
+                return
+            for e in chunk:
+                yield i, e
+                i += 1
+
+    def update(self, dead: set[int], removed: int, removed_fx: int) -> None:
+        """After this run unlinked ``removed`` names (``removed_fx`` bytes) of the shard: move ``start``
+        past the leading entries in ``dead`` (removed, or found gone), take them off the live totals,
+        and record the directory's new mtime if the summary was current before the unlinks (so that
+        they do not make it stale).  The header is rewritten in place; a failure leaves it stale."""
+        h = self.header
+        if h is None or self.data is not None:
+            return
+        was_current = self.current
+        while h.start < h.count and h.start in dead:
+            h.start += 1
+        h.live_count = max(0, h.live_count - removed)
+        h.live_fx = max(0, h.live_fx - removed_fx)
+        if was_current:
+            self.dir_id = _dir_id(self.dir)
+            if self.dir_id is not None:
+                h.dir_ino, h.dir_mtime_ns = self.dir_id
+        try:
+            fd, st = open_regular(self.path, os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            if st.st_ino == self.ino:
+                pwrite_all(fd, h.pack(), 0)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+@dataclass
+class Refresh:
+    """What one run's rebuilds did in one root."""
+
+    listed: int = 0  # names listed
+    rebuilt: int = 0  # shards
+    lstats: int = 0  # names lstat'ed (new since the old summary)
+    tmp_removed: int = 0
+    unreadable: int = 0  # directories or entries that could not be read
+    stale: int = 0  # shards left stale or missing after the run
+
+
+@dataclass
+class RootSummaries:
+    """Every shard of one pool root with its summary header (no entries read)."""
+
+    root: str
+    index: int
+    shards: list[Shard] = field(default_factory=list)
+    unreadable: int = 0  # fingerprint directories that could not be listed
+
+    @classmethod
+    def load(cls, root: str, index: int) -> "RootSummaries":
+        out = cls(root, index)
+        base = layout_dir(root)
+        for fp in fingerprint_dirs(root):
+            fp_dir = os.path.join(base, fp)
+            try:
+                subs = sorted(n for n in os.listdir(fp_dir) if len(n) == 2 and is_key_stem(n))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError:
+                out.unreadable += 1
+                continue
+            sum_dir = summary_dir(root, fp)
+            for sub in subs:
+                shard = Shard(index, fp, sub, os.path.join(fp_dir, sub), os.path.join(sum_dir, sub + SUMMARY_SUFFIX))
+                shard.dir_id = _dir_id(shard.dir)
+                found = read_header(shard.path)
+                if found is not None:
+                    shard.header, shard.ino = found
+                out.shards.append(shard)
+        return out
+
+    @property
+    def live_count(self) -> int:
+        return sum(s.header.live_count for s in self.shards if s.header is not None)
+
+    @property
+    def live_fx(self) -> int:
+        return sum(s.header.live_fx for s in self.shards if s.header is not None)
+
+    def live_fx_by_fp(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.shards:
+            if s.header is not None:
+                out[s.fp] = out.get(s.fp, 0) + s.header.live_fx
+        return out
+
+    def remove_orphans(self, now: float) -> None:
+        """Remove summaries whose shard directory is gone, and summary temporary files a dead
+        writer left (older than :data:`TMP_KEEP_S`), in the fingerprints of this root."""
+        known = {s.path for s in self.shards}
+        for fp in {s.fp for s in self.shards}:
+            d = summary_dir(self.root, fp)
+            for name in list_dir(d):
+                path = os.path.join(d, name)
+                stale_tmp = TMP_MARK in name and _older_than(path, now, TMP_KEEP_S)
+                if stale_tmp or (name.endswith(SUMMARY_SUFFIX) and path not in known):
+                    _unlink_quiet(path)
+
+
+def summary_dir(root: str, fp: str) -> str:
+    return os.path.join(layout_dir(root), SUMMARIES_DIR, fp)
+
+
+def needs_rebuild(shard: Shard, now_ns: int) -> bool:
+    """Missing, stale, older than :data:`MAX_AGE_S`, or recording temporary files that may have
+    become stale since (:data:`~.pool.TMP_YOUNG_S`), while its directory is there."""
+    h = shard.header
+    if shard.dir_id is None:
+        return False
+    if not shard.current:
+        return True
+    age_ns = now_ns - h.built_ns
+    return age_ns > MAX_AGE_S * 1e9 or (h.tmp_files > 0 and age_ns > TMP_YOUNG_S * 1e9)
+
+
+def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], now: float, *,
+            write: bool, budget: int | None = LIST_BUDGET) -> dict[int, Refresh]:
+    """Rebuild the shards of ``roots`` that are missing, stale or too old, oldest-built first,
+    until ``budget`` names have been listed (at least one shard; None: all of them).  ``access[i]``
+    is root i's newest logged access per key, folded into the recency of the entries.  With
+    ``write`` off (a dry run) summaries are rebuilt in memory only and no file is removed.
+    Returns what was done, by root index."""
+    now_ns = int(now * 1e9)
+    out = {r.index: Refresh() for r in roots}
+    todo = [s for r in roots for s in r.shards if needs_rebuild(s, now_ns)]
+    todo.sort(key=lambda s: s.header.built_ns if s.header is not None else -1)
+    listed = 0
+    for shard in todo:
+        if budget is not None and listed >= budget:
+            break
+        r = out[shard.root]
+        n = rebuild(shard, access[shard.root], now, write, r)
+        listed += n
+        r.listed += n
+    for r in roots:
+        if write:
+            r.remove_orphans(now)
+        out[r.index].unreadable += r.unreadable
+        out[r.index].stale = sum(not s.current for s in r.shards)
+    return out
+
+
+def rebuild(shard: Shard, access: dict[bytes, int], now: float, write: bool, tally: Refresh) -> int:
+    """List ``shard``'s directory and replace its summary; returns the names listed.
+
+    A name the old summary recorded at the same inode keeps its entry (its recency raised by a
+    newer access in ``access``); others are lstat'ed.  Temporary files of writers are counted, and
+    removed when stale if ``write``.  A directory that cannot be listed keeps its old summary."""
+    now_ns = int(now * 1e9)
+    old: dict[str, Entry] = {}
+    if shard.header is not None:
+        old = {e[E_KEY].hex(): e for _, e in shard.cursor()}
+    dir_id = _dir_id(shard.dir)  # before listing: a name added meanwhile leaves it stale
+    if dir_id is None:
+        return 0
+    h = Header(dir_ino=dir_id[0], dir_mtime_ns=dir_id[1], built_ns=now_ns)
+    entries: list[Entry] = []
+    listed = 0
+    get = access.get
+    try:
+        with os.scandir(shard.dir) as it:
+            for d in it:
+                listed += 1
+                name = d.name
+                if name.startswith(TMP_PREFIX):
+                    _tmp(d, h, now, write, tally)
+                    continue
+                stem = name[:-len(BLOCK_SUFFIX)]
+                if not name.endswith(BLOCK_SUFFIX) or len(stem) != 64 or stem[:2] != shard.sub \
+                        or not is_key_stem(stem):
+                    h.foreign += 1
+                    continue
+                e = old.get(stem)
+                if e is not None and e[E_INO] == d.inode():
+                    t = clamp_ns(get(e[E_KEY], 0), now_ns)
+                    if t > e[E_RECENCY]:
+                        e = (e[E_KEY], t, *e[2:])
+                else:
+                    try:
+                        st = d.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    except OSError:
+                        tally.unreadable += 1
+                        continue
+                    tally.lstats += 1
+                    if not stat.S_ISREG(st.st_mode):
+                        h.foreign += 1
+                        continue
+                    k = bytes.fromhex(stem)
+                    share = st.st_size * FX_ONE
+                    if is_ref_size(st.st_size) and st.st_nlink > 1:
+                        share //= st.st_nlink  # a reference file, linked under every key of its batch
+                    e = (k, max(clamp_ns(st.st_mtime_ns, now_ns), clamp_ns(get(k, 0), now_ns)), st.st_size,
+                         st.st_ino, st.st_mtime_ns, share)
+                entries.append(e)
+                h.live_fx += e[E_SHARE]
+    except (FileNotFoundError, NotADirectoryError):
+        shard.dir_id = None
+        return listed
+    except OSError:
+        tally.unreadable += 1
+        return listed
+    del old
+    entries.sort(key=_order)
+    h.live_count = len(entries)
+    data = encode(h, entries)
+    del entries
+    shard.header, shard.dir_id, shard.fresh = h, dir_id, True
+    tally.rebuilt += 1
+    if not write:
+        shard.data = data
+        return listed
+    d = os.path.dirname(shard.path)
+    try:
+        mkdir_like_parent(os.path.dirname(d))
+        mkdir_like_parent(d)
+        atomic_write(shard.path, data, os.stat(d).st_mode & 0o666)
+        shard.ino = os.stat(shard.path).st_ino
+    except OSError:
+        shard.data = data  # usable by this run; rebuilt by the next one
+    return listed
+
+
+def _order(e: Entry) -> tuple[int, bytes]:
+    return e[E_RECENCY], e[E_KEY]
+
+
+def _tmp(d: os.DirEntry, h: Header, now: float, write: bool, tally: Refresh) -> None:
+    try:
+        size = d.stat(follow_symlinks=False).st_size
+    except OSError:
+        return
+    if write and tmp_is_stale(d.name, d.path, now) and _unlink_quiet(d.path):
+        tally.tmp_removed += 1
+        return
+    h.tmp_files += 1
+    h.tmp_bytes += size
+
+
+def _dir_id(d: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(d, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _older_than(path: str, now: float, age_s: float) -> bool:
+    try:
+        return now - os.stat(path, follow_symlinks=False).st_mtime > age_s
+    except OSError:
+        return False
+
+
+def _unlink_quiet(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
