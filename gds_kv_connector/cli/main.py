@@ -167,11 +167,47 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from gds_kv_connector.maintenance.operations import format_verify, verify
-    progress = not args.json and sys.stderr.isatty()  # a bar's carriage returns never go into a log file
-    result = verify(_roots(args, _settings()), workers=args.workers, progress=progress,
-                    quarantine=not args.no_quarantine)
+    """Verify this process's shard of the pool, resumable: SIGINT or SIGTERM saves the state and
+    says how to go on (exit 128 + the signal's number)."""
+    from gds_kv_connector.maintenance.verify import VerifyInterrupted, format_verify, verify
+    from gds_kv_connector.maintenance.verify_state import Shard, default_state_path
+    roots = _roots(args, _settings())
+    shard = args.shard or Shard()
+    state = args.state if args.state is not None else default_state_path(roots, shard)
+    tty = sys.stderr.isatty()  # a bar's carriage returns never go into a log file: lines there
+    caught: list[int] = []
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if caught:  # a second signal: stop now, from the last state saved
+            raise KeyboardInterrupt
+        caught.append(signum)
+        stop.set()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = verify(roots, workers=args.workers, progress=not args.no_progress,
+                        quarantine=not args.no_quarantine, shard=shard, state_path=state,
+                        restart=args.restart, state_optional=args.state is None,
+                        progress_every_s=None if tty else args.progress_every_s, stop=stop)
+    except VerifyInterrupted as stopped:
+        saved = (f"state saved in {stopped.state_path}: run the same command again to resume (--restart starts "
+                 "over)" if stopped.state_path else "no state could be saved: a new run starts over")
+        print(f"gds-kv verify: interrupted by {signal.Signals(caught[0]).name}, {stopped.shards_done} of "
+              f"{stopped.shards_total} shard directories done, {saved}", file=sys.stderr)
+        return 128 + caught[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return _emit(args, result, format_verify(result))
+
+
+def _shard(text: str) -> Any:
+    """An option's type: ``I/N``, this process's part of the pool's shard directories."""
+    from gds_kv_connector.maintenance.verify_state import Shard
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -244,8 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also take arena slabs named before host tags with this host's first 32 characters "
                                 "for this host's (only once no older version runs on a host sharing them)")
         if name == "verify":
-            c.add_argument("--workers", type=_whole(1, 256), default=8, help="files checked at once (1-256)")
-            c.add_argument("--no-quarantine", action="store_true", help="report bad files but leave them")
+            _verify_options(c)
         if name == "metrics":
             _metrics_options(c)
     b = _command(sub, "bench", cmd_bench, "bandwidth and executor-cost benchmark (gds-kv bench --help)",
@@ -259,6 +294,21 @@ def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], help_
     c = sub.add_parser(name, help=help_, description=help_, **kw)
     c.set_defaults(fn=fn, parser=c)
     return c
+
+
+def _verify_options(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--workers", type=_whole(1, 256), default=8, help="files checked at once (1-256)")
+    c.add_argument("--no-quarantine", action="store_true", help="report bad files but leave them")
+    c.add_argument("--shard", type=_shard, metavar="I/N",
+                   help="verify only the shard directories of process I of N (from 0; default 0/1, all): N "
+                        "processes, on any nodes, verify the pool once")
+    c.add_argument("--state", help="record progress here and resume from it (default: owners/verify-I-of-N.json "
+                                   "in the first root; removed when the run ends)")
+    c.add_argument("--restart", action="store_true", help="ignore the state of an earlier run and start over")
+    c.add_argument("--no-progress", action="store_true", help="no progress on stderr (a bar on a terminal, "
+                                                              "else a line every --progress-every seconds)")
+    c.add_argument("--progress-every", dest="progress_every_s", type=_seconds, default=10.0, metavar="S",
+                   help="seconds between progress lines when stderr is not a terminal (default 10)")
 
 
 def _metrics_options(c: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
 from gds_kv_connector.maintenance.owner_stats import StatsPublisher, read_owner_stats, write_owner_stats
 from gds_kv_connector.maintenance.operations import (EXIT_OK, EXIT_PROBLEMS, UsageError, format_gc, format_stats,
-                                           format_verify, gc, pool_roots, stats, verify)
+                                           gc, pool_roots, stats)
+from gds_kv_connector.maintenance.verify import format_verify, verify
 from gds_kv_connector.store.pool import BlockPool
 from gds_kv_connector.format.layout import TMP_PREFIX
 from gds_kv_connector.format.records import HEADER_SIZE, ZERO_KEY, SlotRef, pack_refs

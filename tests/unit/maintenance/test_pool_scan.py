@@ -15,7 +15,8 @@ import torch
 
 from gds_kv_connector.store.base import open_store
 from gds_kv_connector.engines.posix import PosixEngine
-from gds_kv_connector.maintenance.operations import format_gc, format_stats, format_verify, gc, stats, verify
+from gds_kv_connector.maintenance.operations import format_gc, format_stats, gc, stats
+from gds_kv_connector.maintenance.verify import format_verify, verify
 from gds_kv_connector.store.pool import BlockPool
 from gds_kv_connector.format.records import ZERO_KEY
 from gds_kv_connector.maintenance.pool_scan import (NotRegularFile, quarantine_dir, quarantined_at_ns, read_geometry,

@@ -504,7 +504,7 @@ def test_connector_round_trip_with_arena_and_restart(pool_env, monkeypatch, shm_
 
 
 def test_verify_checks_arena_slots_through_their_references(shm_root, engine):
-    from gds_kv_connector.maintenance.operations import verify
+    from gds_kv_connector.maintenance.verify import verify
 
     a = _pool(shm_root, engine, 8, per_slab=8)
     keys, d = _keys(4), _data(4, 9)

@@ -31,7 +31,8 @@ from gds_kv_connector.store.arena import SlotArena  # noqa: E402
 from gds_kv_connector.store.base import LoadFailure, open_store  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
 from tests.support.faults import FaultyFileOps  # noqa: E402
-from gds_kv_connector.maintenance.operations import EXIT_OK, EXIT_PROBLEMS, verify  # noqa: E402
+from gds_kv_connector.maintenance.operations import EXIT_OK, EXIT_PROBLEMS  # noqa: E402
+from gds_kv_connector.maintenance.verify import verify  # noqa: E402
 from gds_kv_connector.store.pool import BlockPool, PoolError  # noqa: E402
 from gds_kv_connector.format.records import HEADER_SIZE, BlockHeader, file_size_for  # noqa: E402
 from gds_kv_connector.maintenance.pool_scan import quarantine_dir  # noqa: E402
@@ -378,7 +379,7 @@ def test_verify_quarantines_junk_and_untrusted_files(tmp_path, engine):
 
 _VERIFY_CHILD = """
 import json, sys
-from gds_kv_connector.maintenance.operations import verify
+from gds_kv_connector.maintenance.verify import verify
 r = verify(sys.argv[1], workers=1, progress=False)
 print(json.dumps({"reasons": r["reasons"], "bytes_read": r["bytes_read"], "quarantined": r["quarantined"],
                   # VmHWM: this process's own peak (ru_maxrss carries the parent's across fork and exec)
