@@ -29,6 +29,7 @@ from gds_kv_connector.format.records import HEADER_SIZE, MAX_PAYLOAD, REF_MAGIC,
 from gds_kv_connector.maintenance.pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, list_dir, open_regular, owners_dir,
                         parse_ref_file, quarantine_destination, quarantine_dir, read_geometry, scan_pool)
 from gds_kv_connector.maintenance.recency import ACCESS_SUFFIX
+from gds_kv_connector.maintenance.shard_summary import usage
 from gds_kv_connector.maintenance.slab_gc import remove_orphan_slabs
 from gds_kv_connector.maintenance.retired_owners import RETIRED_NAME, RetiredOwners, read_retired
 from gds_kv_connector.config.settings import import_time_value
@@ -84,9 +85,14 @@ def _format_over_roots(result: dict[str, Any], fmt: Callable[[dict[str, Any]], l
 
 
 # -- stats ----------------------------------------------------------------------------------------
-def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]:
+def stats(root: str | Sequence[str], now: float | None = None, *, exact: bool = False) -> dict[str, Any]:
     """Usage per fingerprint, leftovers, and every owner's last published numbers, over every
     root of the pool: each root's own result under ``roots``, their sums at the top.
+
+    Blocks, bytes, temporary files and foreign entries come from the shard summaries' headers
+    (:func:`~.shard_summary.usage`: a read per shard, no listing), as current as the evictor keeps
+    them: ``summaries`` says how many shards' summaries are stale and the oldest one's build time.
+    A shard without a summary is listed (in memory).  ``exact`` lists and lstats every block instead.
 
     Owners publish into every root, so their files are merged across roots, not summed: per
     process start, the newest file.  Counters are summed over every process that published
@@ -102,7 +108,7 @@ def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]
         _require_pool(r)
     now = time.time() if now is None else now
     archives = [read_retired(r) for r in roots]
-    results = [_stats_root(r, now, a) for r, a in zip(roots, archives)]
+    results = [_stats_root(r, now, a, exact) for r, a in zip(roots, archives)]
     folded = {stem for a in archives if a is not None for stem in a.folded}
     owners: dict[str, dict[str, Any]] = {}
     for res in results:
@@ -129,28 +135,38 @@ def stats(root: str | Sequence[str], now: float | None = None) -> dict[str, Any]
                  for k in ("quarantine", "tmp", "slab_tmp", "access_logs")},
               "foreign_entries": _sum(results, "foreign_entries"),
               "unreadable_entries": _sum(results, "unreadable_entries"), "filesystem": _filesystems(roots),
+              "summaries": _summaries_total([r["summaries"] for r in results]),
               **_owner_totals(owners, _retired(archives))}
     return _over_roots(results, totals)
 
 
-def _stats_root(root: str, now: float, archive: RetiredOwners | None) -> dict[str, Any]:
-    scan = scan_pool(root)
+def _stats_root(root: str, now: float, archive: RetiredOwners | None, exact: bool) -> dict[str, Any]:
+    unreadable = [0]  # what this function cannot read: reported, not counted
+    if exact:
+        scan = scan_pool(root)
+        fp_blocks = Counter(b.fp for b in scan.blocks)
+        fp_bytes = scan.bytes_by_fp()  # a reference file linked under many keys counts once
+        tmp_sizes = _sizes(scan.tmp, unreadable)
+        tmp = {"files": len(scan.tmp), "bytes": sum(tmp_sizes)}
+        foreign, summaries = scan.foreign, None
+        unreadable[0] += scan.unreadable
+    else:
+        view = usage(root, now)
+        fp_blocks, fp_bytes = view.blocks_by_fp, view.bytes_by_fp
+        tmp = {"files": view.tmp_files, "bytes": view.tmp_bytes}
+        foreign = view.foreign
+        summaries = {"shards": view.shards, "stale": view.stale, "listed": view.listed,
+                     "oldest_built_ns": view.oldest_built_ns}
+        unreadable[0] += view.unreadable
     per_fp: dict[str, dict[str, Any]] = {}
-    for fp in fingerprint_dirs(root):
+    for fp in sorted(set(fingerprint_dirs(root)) | set(fp_blocks)):
         geometry = read_geometry(root, fp) or {}
-        per_fp[fp] = {"blocks": 0, "bytes": 0, "geometry": geometry.get("geometry"),
-                      "payload_len": geometry.get("payload_len"), "tokens_per_block": geometry.get("tokens_per_block")}
-    for b in scan.blocks:
-        entry = per_fp.setdefault(b.fp, {"blocks": 0, "bytes": 0, "geometry": None, "payload_len": None,
-                                         "tokens_per_block": None})
-        entry["blocks"] += 1
-    fp_bytes = scan.bytes_by_fp()  # a reference file linked under many keys counts once
-    for fp, entry in per_fp.items():
-        entry["bytes"] = fp_bytes.get(fp, 0)
-        tpb = entry["tokens_per_block"]
-        entry["tokens"] = entry["blocks"] * tpb if isinstance(tpb, int) else None
+        tpb = geometry.get("tokens_per_block")
+        blocks = fp_blocks.get(fp, 0)
+        per_fp[fp] = {"blocks": blocks, "bytes": fp_bytes.get(fp, 0), "geometry": geometry.get("geometry"),
+                      "payload_len": geometry.get("payload_len"), "tokens_per_block": tpb,
+                      "tokens": blocks * tpb if isinstance(tpb, int) else None}
     slab_tmp: list[int] = []
-    unreadable = [scan.unreadable]  # with what this function cannot read: reported, not counted
     for fp, entry in per_fp.items():  # arena slabs: where an arena pool's block bytes are
         slab_dir = os.path.join(layout_dir(root), fp, SLABS_DIR)
         names = _names(slab_dir, unreadable)
@@ -171,16 +187,24 @@ def _stats_root(root: str, now: float, archive: RetiredOwners | None) -> dict[st
                         "live": live(data, now_ns)}
     qfiles = _files_with_sizes(quarantine_dir(root), "", unreadable)
     logs = _files_with_sizes(owners_dir(root), ACCESS_SUFFIX, unreadable)
-    tmp = _sizes(scan.tmp, unreadable)
-    return {"root": os.path.abspath(root), "blocks": len(scan.blocks), "bytes": scan.block_bytes,
+    return {"root": os.path.abspath(root), "blocks": sum(fp_blocks.values()), "bytes": sum(fp_bytes.values()),
             "fingerprints": per_fp,
             "quarantine": {"files": len(qfiles), "bytes": sum(qfiles)},
-            "tmp": {"files": len(scan.tmp), "bytes": sum(tmp)},
+            "tmp": tmp,
             "slab_tmp": {"files": len(slab_tmp), "bytes": sum(slab_tmp)},
-            "foreign_entries": scan.foreign, "unreadable_entries": unreadable[0],
+            "foreign_entries": foreign, "unreadable_entries": unreadable[0], "summaries": summaries,
             "access_logs": {"files": len(logs), "bytes": sum(logs)},
             "filesystem": _filesystems([root]), **_owner_totals(owners, _retired([archive])),
             "exit_code": EXIT_OK}
+
+
+def _summaries_total(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The summaries of every root at once (None for an exact count, which reads none)."""
+    if any(p is None for p in parts):
+        return None
+    built = [p["oldest_built_ns"] for p in parts if p["oldest_built_ns"] is not None]  # type: ignore[index]
+    return {**{k: sum(p[k] for p in parts) for k in ("shards", "stale", "listed")},  # type: ignore[index]
+            "oldest_built_ns": min(built) if built else None}
 
 
 def _owner_totals(owners: dict[str, dict[str, Any]], retired: dict[str, Any]) -> dict[str, Any]:
@@ -257,6 +281,12 @@ def _stats_lines(result: dict[str, Any]) -> list[str]:
                  f"({_human(result['access_logs']['bytes'])})"
                  + (f"; temporary arena slabs: {result['slab_tmp']['files']} files "
                     f"({_human(result['slab_tmp']['bytes'])})" if result["slab_tmp"]["files"] else ""))
+    sums = result["summaries"]
+    if sums is not None and (sums["stale"] or sums["listed"] or sums["oldest_built_ns"] is not None):
+        age = "" if sums["oldest_built_ns"] is None else \
+            f", the oldest built {max(0.0, time.time() - sums['oldest_built_ns'] / 1e9):.0f} s ago"
+        lines.append(f"counts from shard summaries: {sums['stale']} of {sums['shards']} stale (they lag), "
+                     f"{sums['listed']} without one listed now{age}; --exact lists every block")
     if result["foreign_entries"]:
         lines.append(f"unexpected entries in block directories: {result['foreign_entries']}")
     if result["unreadable_entries"]:

@@ -455,3 +455,52 @@ def _unlink_quiet(path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+@dataclass
+class Usage:
+    """What the summaries of one root say, for ``gds-kv stats``."""
+
+    blocks_by_fp: dict[str, int] = field(default_factory=dict)
+    bytes_by_fp: dict[str, int] = field(default_factory=dict)
+    tmp_files: int = 0
+    tmp_bytes: int = 0
+    foreign: int = 0
+    unreadable: int = 0
+    shards: int = 0
+    stale: int = 0  # summaries whose directory changed since they were built: counts lag
+    listed: int = 0  # shards without a summary, listed by this call (nothing is written)
+    oldest_built_ns: int | None = None  # of the summaries read
+
+
+def usage(root: str, now: float) -> Usage:
+    """Blocks, bytes and leftovers of ``root`` from its summaries' headers: one stat and one read
+    per shard.  A shard without a usable summary (an evictor never ran, or not since it appeared)
+    is listed now, in memory, one at a time; a stale one is counted as its summary says."""
+    out = Usage()
+    sums = RootSummaries.load(root, 0)
+    out.unreadable = sums.unreadable
+    tally = Refresh()
+    for shard in sums.shards:
+        out.shards += 1
+        if shard.header is None:
+            if shard.dir_id is None:
+                continue
+            rebuild(shard, {}, now, False, tally)
+            if shard.header is None:
+                continue
+            out.listed += 1
+            shard.data = None  # only its header is needed: one shard's entries in memory at a time
+        else:
+            out.stale += not shard.current
+            built = shard.header.built_ns
+            out.oldest_built_ns = built if out.oldest_built_ns is None else min(out.oldest_built_ns, built)
+        h = shard.header
+        out.blocks_by_fp[shard.fp] = out.blocks_by_fp.get(shard.fp, 0) + h.live_count
+        out.bytes_by_fp[shard.fp] = out.bytes_by_fp.get(shard.fp, 0) + h.live_fx
+        out.tmp_files += h.tmp_files
+        out.tmp_bytes += h.tmp_bytes
+        out.foreign += h.foreign
+    out.bytes_by_fp = {fp: fx_bytes(fx) for fp, fx in out.bytes_by_fp.items()}
+    out.unreadable += tally.unreadable
+    return out
