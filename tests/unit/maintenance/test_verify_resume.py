@@ -261,3 +261,24 @@ def test_progress_bar_on_a_terminal():
     bar.update(1000, 1000, False, final=True)
     assert out[-1].startswith("\rverify: [" + "#" * 24 + "] 1000/1000 blocks (100.0%)") and out[-1].endswith("\n")
     assert "250/~1000 blocks (25.0%), 25 blocks/s, ETA 0:00:30" in bar.line(250, 1000, True, 10.0)
+
+
+def test_a_directory_that_cannot_be_listed_is_counted_once_over_resumed_runs(tmp_path, monkeypatch):
+    """Listing failures are this run's (a later run lists again), not saved totals counted twice."""
+    root = str(tmp_path / "pool")
+    write_pool([root], b"\x47" * 32, 200)
+    write_pool([root], b"\x48" * 32, 5)
+    hidden = os.path.join(root, "gdskv-v1", "48" * 8)
+    real = os.listdir
+
+    def listdir(path="."):
+        if os.fspath(path) == hidden:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    state = str(tmp_path / "s.json")
+    with pytest.raises(VerifyInterrupted):
+        verify(root, workers=1, progress=False, state_path=state, stop=StopAfter(3))
+    result = verify(root, workers=1, progress=False, state_path=state)
+    assert result["resumed"] and (result["checked"], result["unreadable_entries"], result["exit_code"]) == (200, 1, 1)
