@@ -791,6 +791,17 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         # eager saving folds every report, so its KV end says whether the prompt was computed
         prefilled = st.kv_end >= st.prompt_len if self._fold_decode else rid not in self._prefilling
         self._prefilling.discard(rid)
+        saving = self._final_save(request, st, cache_block_ids, prefilled)
+        if st.keys and self._recency is not None:
+            # The chain, head first: RecencyLog stamps it newest at the head, so every ancestor of a
+            # block this request saved is at least as recent as that block, and least-recently-used
+            # eviction removes a chain's tail before its head without seeing the whole chain.
+            self._recency.touch(st.keys)
+        return saving
+
+    def _final_save(self, request: Any, st: _Request, cache_block_ids: List[int], prefilled: bool) -> bool:
+        """Hand over the save of the blocks the request completed since its last save; whether a save
+        of it is in progress, the value :meth:`request_finished` returns."""
         if self._save:  # the final tokens and block ids matter only to the last save
             tpb, base = self._tpb, st.base
             have = base + len(st.tokens)
