@@ -129,6 +129,7 @@ def _bytes(low: int) -> Callable[[Any], str | None]:
 MIN_DEADLINE_S = 0.1  # one batch's I/O takes milliseconds: less drops every save and fails every load
 MIN_CONTROL_GRACE_S = 0.01  # about one write on a busy disk: less takes an ordinary write for a hung one
 MIN_STATS_INTERVAL_S = 0.1  # each refresh rewrites a file in every root: more often spends a core on it
+MIN_EVICT_TIME_LIMIT_S = 1.0  # starting an interpreter takes a good part of a second: less kills every run
 # Each slab is a file, held open and, on a host-memory pool, mapped and registered: below a
 # mebibyte an arena of gigabytes is thousands of them.
 MIN_SLAB_BYTES = 1 << 20
@@ -228,6 +229,16 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("low_watermark", 0.9, _parse_float, "Eviction stops at this fraction of the quota.", _fraction),
     SettingSpec("evict_grace_s", 300.0, _parse_float, "Blocks accessed more recently than this are never "
                 "evicted (protects promised and in-flight loads).", _seconds(0)),
+    SettingSpec("evict_runner", "process", str, "Where this owner's eviction runs (with a quota or a free-space "
+                "floor): process (a fresh interpreter per run, started by the evictor thread, which waits for it "
+                "without holding the GIL: a run over a large pool takes no GIL time from the executor thread; a "
+                "child that fails or passes TLLM_GDS_KV_EVICT_TIME_LIMIT_S only fails that run, saves go on) or "
+                "thread (in the serving process, competing with the executor thread for the GIL: for hosts "
+                "where starting processes is not allowed).", _one_of("process", "thread")),
+    SettingSpec("evict_time_limit_s", 3600.0, _parse_float, "How long an eviction run in a child process "
+                "(TLLM_GDS_KV_EVICT_RUNNER=process) may take before it is killed (its locks die with it) and "
+                "counted as failed; the next run comes at the next check. Raise it for a pool whose runs take "
+                "longer.", _seconds(MIN_EVICT_TIME_LIMIT_S)),
     SettingSpec("admission", "all", str, "Which full blocks to save: all, prompt (prompt blocks only), "
                 "or seen:N (prefixes matched at least N times by this owner).", _admission),
     SettingSpec("save_generated", "auto", str, "When a request's generated (decode) blocks are saved: "
@@ -293,6 +304,8 @@ class Settings:
     min_free_bytes: int
     low_watermark: float
     evict_grace_s: float
+    evict_runner: str
+    evict_time_limit_s: float
     admission: str
     save_generated: str
     arena_bytes: int

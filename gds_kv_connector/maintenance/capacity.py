@@ -6,6 +6,18 @@ has been written since the last run, or every ``check_interval_s`` regardless (o
 and other tenants of the filesystem fill it too).  Across processes the eviction lock makes
 the run a no-op for all but one owner at a time.
 
+Where the run goes (``runner``, ``TLLM_GDS_KV_EVICT_RUNNER``): ``process``, the serving default, runs
+it in a child interpreter (:mod:`.evict_process`) while this thread waits on its pipes without the
+GIL, so a run of minutes over a large pool takes no GIL time from the executor thread (it shares
+only the CPU, and the child lowers its priority); ``thread`` runs it
+here, in this thread, for hosts that forbid starting processes (and for library callers and tests,
+the constructor's default), where it competes with the executor for the GIL but keeps a header cache
+and incremental access-log indexes from run to run.  A child that cannot start, crashes or passes
+its time limit (then killed) fails only that run: saves never wait for it, the failure is counted
+(``evict_child_failed``) and logged once per spell, and the next run comes at the next interval
+(a save's wake-up does not bring it sooner; :meth:`CapacityGuard.check_now` does).  The counters
+and the last reports come from the child's reports as from an in-process run.
+
 Its grace is at least the owner's index window (:func:`evictor_grace_s`): an owner promises a
 block its index still trusts without looking at the file, and the evictor must not have removed
 it.  At its start the guard marks this process as a writer of the pool and removes the temporary
@@ -22,10 +34,11 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from gds_kv_connector.util.atomic_file import WriterMark
+from gds_kv_connector.maintenance.evict_process import EvictChildFailed, evict_in_child
 from gds_kv_connector.maintenance.eviction import EvictionReport, HeaderCache, evict_pool, remove_dead_writers_tmp
 from gds_kv_connector.maintenance.pool_scan import owners_dir
 from gds_kv_connector.maintenance.recency import RecencyIndex, RecencyLog
-from gds_kv_connector.config.settings import Settings
+from gds_kv_connector.config.settings import SPECS, Settings
 from gds_kv_connector.util.counters import Stats
 
 log = logging.getLogger(__name__)
@@ -35,6 +48,9 @@ CLOSE_WAIT_S = 10.0  # how long shutdown waits for an eviction run in progress
 SLICE_FRACTION = 0.05  # of the quota written since the last run triggers the next one
 MIN_FREE_SLICE_FRACTION = 0.25  # of min_free_bytes, when there is no quota
 CLOCK_SLACK_S = 2.0  # how far two nodes' clocks may differ: an index's window is timed on its owner's
+RUNNERS = ("process", "thread")
+CANCEL_WAIT_S = 10.0  # after close() kills a child run, for its waiting thread to return
+EVICT_TIME_LIMIT_S = next(spec.default for spec in SPECS if spec.name == "evict_time_limit_s")
 
 
 def evictor_grace_s(grace_s: float, index_ttl_s: float) -> float:
@@ -52,8 +68,14 @@ class CapacityGuard:
 
     def __init__(self, roots: Sequence[str], *, quota_bytes: int, low_watermark: float, min_free_bytes: int,
                  grace_s: float, index_ttl_s: float = 0.0, recency: RecencyLog | None = None,
-                 stats: Stats | None = None, check_interval_s: float = CHECK_INTERVAL_S) -> None:
-        """``index_ttl_s``: how long this process's pool index trusts a lookup (0: no index)."""
+                 stats: Stats | None = None, check_interval_s: float = CHECK_INTERVAL_S, runner: str = "thread",
+                 time_limit_s: float = 0.0, child_argv: Sequence[str] | None = None) -> None:
+        """``index_ttl_s``: how long this process's pool index trusts a lookup (0: no index).
+        ``runner``: ``process`` or ``thread`` (the module docstring); with ``process``, ``time_limit_s``
+        bounds a run (0: the setting's default) and ``child_argv`` is the child's command
+        (:func:`~.evict_process.child_argv` by default)."""
+        if runner not in RUNNERS:
+            raise ValueError(f"eviction runner {runner!r}: must be one of {', '.join(RUNNERS)}")
         self.roots = tuple(roots)
         self.quota_bytes, self.low_watermark = quota_bytes, low_watermark
         self.min_free_bytes, self.grace_s = min_free_bytes, evictor_grace_s(grace_s, index_ttl_s)
@@ -69,7 +91,15 @@ class CapacityGuard:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
-        self._cache: HeaderCache = {}  # headers of every root, keyed by path
+        self._idle_lock = threading.Lock()
+        self.runner = runner
+        self.time_limit_s = time_limit_s or EVICT_TIME_LIMIT_S
+        self.failed_runs = 0  # child runs that failed in a row
+        self._child_argv = child_argv
+        self._asked = threading.Event()  # check_now wants a run, even within a failure's back-off
+        self._cancel = threading.Event()  # close() gave up waiting: kill the child
+        self._retry_at = 0.0  # monotonic time before which only check_now starts a run, after a failure
+        self._cache: HeaderCache = {}  # headers of every root, keyed by path (in-process runs)
         self._unreadable = [0] * len(self.roots)  # entries the last run could not read, per root
         if recency is not None and list(map(os.path.abspath, recency.roots)) != list(map(os.path.abspath, roots)):
             raise ValueError(f"access log of roots {recency.roots} for a pool of roots {self.roots}: a key's "
@@ -87,7 +117,8 @@ class CapacityGuard:
                       stats: Stats | None = None) -> "CapacityGuard":
         return cls(settings.roots, quota_bytes=settings.quota_bytes, low_watermark=settings.low_watermark,
                    min_free_bytes=settings.min_free_bytes, grace_s=settings.evict_grace_s,
-                   index_ttl_s=settings.index_ttl_s, recency=recency, stats=stats)
+                   index_ttl_s=settings.index_ttl_s, recency=recency, stats=stats,
+                   runner=settings.evict_runner, time_limit_s=settings.evict_time_limit_s)
 
     def note_saved(self, nbytes: int) -> None:
         """Count bytes just published; wakes the evictor once a slice of the quota is written.
@@ -105,18 +136,24 @@ class CapacityGuard:
         """Ask for a run and wait until the evictor is idle again (tests, operator hooks)."""
         if not self.enabled:
             return True
-        self._idle.clear()
-        self._wake.set()
+        with self._idle_lock:  # the evictor must not take itself for idle between these
+            self._idle.clear()
+            self._asked.set()
+            self._wake.set()
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Stop the evictor, waiting at most ``timeout`` for a run in progress: a run scans the whole
-        pool (minutes on a large shared filesystem), and shutdown must not wait for it.  A run left
-        going is a daemon thread; its locks die with the process."""
+        pool (minutes on a large shared filesystem), and shutdown must not wait for it.  A child run
+        still going then is killed; an in-process one left going is a daemon thread.  Either way its
+        locks die with it."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive() and self.runner == "process":
+                self._cancel.set()
+                self._thread.join(CANCEL_WAIT_S)
             if self._thread.is_alive():
                 log.warning("gds-kv: an eviction run is still going after %.0f s; shutdown does not wait for it",
                             timeout)
@@ -136,13 +173,16 @@ class CapacityGuard:
             if self._stop.is_set():
                 break
             self._wake.clear()
-            self._since = 0
-            try:
-                self._check()
-            except Exception:  # noqa: BLE001 - a failed run must not end eviction for good
-                log.exception("eviction run failed")
-            if not self._wake.is_set():
-                self._idle.set()
+            if self._asked.is_set() or time.monotonic() >= self._retry_at:
+                self._asked.clear()
+                self._since = 0
+                try:
+                    self._check()
+                except Exception:  # noqa: BLE001 - a failed run must not end eviction for good
+                    log.exception("eviction run failed")
+            with self._idle_lock:
+                if not self._wake.is_set():
+                    self._idle.set()
         self._idle.set()
 
     def _check(self) -> None:
@@ -151,8 +191,20 @@ class CapacityGuard:
         # One run over every root: a chain's blocks are spread over the roots by key, and only a run
         # that sees them all keeps tails going before heads and a head as recent as its descendants.
         t0 = time.monotonic()
-        reports = evict_pool(self.roots, self.quota_bytes, self.low_watermark, self.min_free_bytes, self.grace_s,
-                             header_cache=self._cache, recency=self._indexes)
+        if self.runner == "thread":
+            reports = evict_pool(self.roots, self.quota_bytes, self.low_watermark, self.min_free_bytes, self.grace_s,
+                                 header_cache=self._cache, recency=self._indexes)
+        else:
+            try:
+                reports = evict_in_child(self.roots, self.quota_bytes, self.low_watermark, self.min_free_bytes,
+                                         self.grace_s, time_limit_s=self.time_limit_s, recency=self._recency_log,
+                                         argv=self._child_argv, cancel=self._cancel)
+            except EvictChildFailed as exc:
+                self._child_failed(exc)
+                return
+            if self.failed_runs:
+                log.warning("gds-kv: eviction runs in a child process work again, after %d failed", self.failed_runs)
+                self.failed_runs = 0
         if self._stats is not None:
             self._stats.add_many(evict_runs=1, evict_skipped=int(any(rep.skipped for rep in reports)),
                                  evict_blocks=sum(rep.evicted_blocks for rep in reports),
@@ -170,6 +222,19 @@ class CapacityGuard:
                             "%.0f s grace", root, rep.evicted_bytes, rep.target_bytes, rep.protected_blocks,
                             self.grace_s)
         self.last_reports = reports
+
+    def _child_failed(self, exc: EvictChildFailed) -> None:
+        """A run that gave no reports: counted, logged at the first of a spell, tried again at the next
+        interval (not at the next save's wake-up, which would start a failing child at every slice)."""
+        if self._stop.is_set():  # close() killed it
+            return
+        self.failed_runs += 1
+        self._retry_at = time.monotonic() + self._interval
+        if self._stats is not None:
+            self._stats.add("evict_child_failed")
+        if self.failed_runs == 1:
+            log.warning("gds-kv: eviction run failed (%s); saves go on, the next run in %.0f s; further "
+                        "failures are counted in evict_child_failed, not logged", exc, self._interval)
 
 
 def recency_indexes(roots: Sequence[str], recency: RecencyLog | None) -> list[RecencyIndex]:
