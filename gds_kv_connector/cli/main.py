@@ -1,8 +1,8 @@
 """``gds-kv``: the demo, the settings reference, operator commands and the metrics exporter.
 
 Exit codes: 0 success, 1 the command ran and found a problem (a failed demo, bad blocks, a pool over
-quota, an unusable root), 2 bad usage or configuration, 130 interrupted, 141 when the reader of the
-output went away (``gds-kv stats | head -1``), as for a process SIGPIPE ended.
+quota, an unusable root), 2 bad usage or configuration, 130 or 143 interrupted (SIGINT, SIGTERM), 141
+when the reader of the output went away (``gds-kv stats | head -1``), as for a process SIGPIPE ended.
 
 Every command but the settings reference reads the settings as the connector does (environment
 variables, then the ``TLLM_GDS_KV_CONFIG`` file) and refuses a bad one before doing anything; a bad
@@ -153,7 +153,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from gds_kv_connector.maintenance.operations import format_stats, stats
-    result = stats(_roots(args, _settings()))
+    result = stats(_roots(args, _settings()), exact=args.exact)
     return _emit(args, result, format_stats(result))
 
 
@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"(default: ${ENV_PREFIX}ROOT)")
         if name != "metrics":
             c.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "stats":
+            c.add_argument("--exact", action="store_true", help="list and lstat every block instead of reading the "
+                           "shard summaries (time and memory follow the pool's size)")
         if name == "gc":
             c.add_argument("--quota", type=_size, help=f"byte budget (default: ${ENV_PREFIX}QUOTA_BYTES)")
             c.add_argument("--max-age-s", type=_seconds, default=0.0, help="also remove blocks older than this")

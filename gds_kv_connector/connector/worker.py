@@ -107,7 +107,6 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if 0 < limit < self.pool.payload_len:  # no save would ever fit: saving silently off
             raise SettingsError(f"TLLM_GDS_KV_MAX_QUEUED_SAVE_BYTES={limit} is below one block's {self.pool.payload_len} "
                                 "bytes, so every save would be dropped: raise it, or set TLLM_GDS_KV_SAVE=false")
-        self.pool.cleanup_stale_tmp()
         engine = make_engine(self.settings.engine, kv.device, self.settings.io_threads, self._fileops,
                              probe_dir=self.pool.fp_dirs[0], compat_io=self.settings.compat_io)
         if self.settings.arena_bytes:

@@ -1,4 +1,4 @@
-"""What ``gds-kv stats``, ``gds-kv gc`` and ``gds-kv verify`` do, separate from argument parsing.
+"""What ``gds-kv stats`` and ``gds-kv gc`` do (``gds-kv verify``: :mod:`.verify`), separate from argument parsing.
 
 Each command returns a plain dict (printed as is with ``--json``, so scripts and monitoring
 can consume it) and has a ``format_*`` function for people.  They are safe to run against a
@@ -8,43 +8,34 @@ whatever is removed goes through the same rules as online eviction.
 
 from __future__ import annotations
 
-import errno
-import itertools
 import os
-import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from gds_kv_connector.format.checksum import checksum_bytes
 from gds_kv_connector.util.counters import split_histograms
 from gds_kv_connector.util.atomic_file import WriterMark
 from gds_kv_connector.maintenance.eviction import DEFAULT_GRACE_S, EvictionReport, evict_pool, expire_pool
 from gds_kv_connector.maintenance.owner_stats import live, read_owner_stats
 from gds_kv_connector.format.layout import SLAB_SUFFIX, SLABS_DIR, slab_of_tmp_name
-from gds_kv_connector.store.pool import PoolTrust, file_kind
-from gds_kv_connector.format.records import HEADER_SIZE, MAX_PAYLOAD, REF_MAGIC, FormatError, file_size_for, is_ref_size, parse_header
-from gds_kv_connector.maintenance.pool_scan import (BlockFile, NotRegularFile, fingerprint_dirs, layout_dir, list_dir, open_regular, owners_dir,
-                        parse_ref_file, quarantine_destination, quarantine_dir, read_geometry, scan_pool)
+from gds_kv_connector.maintenance.pool_scan import (fingerprint_dirs, layout_dir, list_dir, owners_dir, quarantine_dir,
+                                                    read_geometry, scan_pool)
 from gds_kv_connector.maintenance.recency import ACCESS_SUFFIX
 from gds_kv_connector.maintenance.shard_summary import usage
 from gds_kv_connector.maintenance.slab_gc import remove_orphan_slabs
 from gds_kv_connector.maintenance.retired_owners import RETIRED_NAME, RetiredOwners, read_retired
-from gds_kv_connector.config.settings import import_time_value
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # verify found bad files, or gc could not bring the pool within its budget
 EXIT_USAGE = 2  # bad arguments or configuration
-MAX_LISTED_BAD = 1000  # bad files listed individually in a verify result; the rest only counted
 
 
 class UsageError(ValueError):
     """The command cannot run as asked (exit code :data:`EXIT_USAGE`)."""
 
 
-def _require_pool(root: str) -> None:
+def require_pool(root: str) -> None:
     if not os.path.isdir(layout_dir(root)):
         raise UsageError(f"{root} holds no pool (no {layout_dir(root)} directory)")
 
@@ -64,14 +55,14 @@ def pool_roots(root: str | Sequence[str]) -> list[str]:
     return out
 
 
-def _over_roots(results: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any]:
+def over_roots(results: list[dict[str, Any]], totals: dict[str, Any]) -> dict[str, Any]:
     """A result over several roots: the single-root shape holding the totals (``root`` names
     them all), and each root's own result under ``roots``."""
     return {"root": ":".join(r["root"] for r in results), **totals, "roots": results,
             "exit_code": max(r["exit_code"] for r in results)}
 
 
-def _format_over_roots(result: dict[str, Any], fmt: Callable[[dict[str, Any]], list[str]],
+def format_over_roots(result: dict[str, Any], fmt: Callable[[dict[str, Any]], list[str]],
                        total: str) -> list[str]:
     """One root's lines as ``fmt`` gives them; for several, each root's lines after its first
     (``pool <root>: ...``) name their root too, and ``total`` follows."""
@@ -105,7 +96,7 @@ def stats(root: str | Sequence[str], now: float | None = None, *, exact: bool = 
     """
     roots = pool_roots(root)
     for r in roots:
-        _require_pool(r)
+        require_pool(r)
     now = time.time() if now is None else now
     archives = [read_retired(r) for r in roots]
     results = [_stats_root(r, now, a, exact) for r, a in zip(roots, archives)]
@@ -137,7 +128,7 @@ def stats(root: str | Sequence[str], now: float | None = None, *, exact: bool = 
               "unreadable_entries": _sum(results, "unreadable_entries"), "filesystem": _filesystems(roots),
               "summaries": _summaries_total([r["summaries"] for r in results]),
               **_owner_totals(owners, _retired(archives))}
-    return _over_roots(results, totals)
+    return over_roots(results, totals)
 
 
 def _stats_root(root: str, now: float, archive: RetiredOwners | None, exact: bool) -> dict[str, Any]:
@@ -250,7 +241,7 @@ def _filesystems(roots: Sequence[str]) -> dict[str, int | None]:
 
 def format_stats(result: dict[str, Any]) -> str:
     total = f"{result['blocks']} blocks, {_human(result['bytes'])}"
-    lines = _format_over_roots(result, _stats_lines, total)
+    lines = format_over_roots(result, _stats_lines, total)
     for owner, o in result["owners"].items():
         state = "final" if o["final"] else "live" if o["live"] else "not heard from"
         gauges = f"; now {_pairs(o['gauges'])}" if o["gauges"] else ""
@@ -314,7 +305,7 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
     """
     roots = pool_roots(root)
     for r in roots:
-        _require_pool(r)
+        require_pool(r)
     if quota_bytes < 0 or min_free_bytes < 0 or max_age_s < 0 or grace_s < 0:
         raise UsageError("quota, min_free, max_age and grace must not be negative")
     if not 0.0 < low_watermark < 1.0:
@@ -336,7 +327,7 @@ def gc(root: str | Sequence[str], quota_bytes: int, low_watermark: float, max_ag
               **{k: _sum(results, k) for k in ("evicted_blocks", "evicted_bytes", "usage_after",
                                                "unreadable_entries")},
               "quota_bytes": quota_bytes}
-    return _over_roots(results, totals)
+    return over_roots(results, totals)
 
 
 def _gc_steps(roots: list[str], quota_bytes: int, low_watermark: float, max_age_s: float, min_free_bytes: int,
@@ -418,7 +409,7 @@ def format_gc(result: dict[str, Any]) -> str:
     verb = "would remove" if result["dry_run"] else "removed"
     total = (f"{verb} {result['evicted_blocks']} blocks ({_human(result['evicted_bytes'])}); usage now "
              f"{_human(result['usage_after'])}")
-    return "\n".join(_format_over_roots(result, _gc_lines, total))
+    return "\n".join(format_over_roots(result, _gc_lines, total))
 
 
 def _gc_lines(result: dict[str, Any]) -> list[str]:
@@ -456,252 +447,6 @@ def _gc_lines(result: dict[str, Any]) -> list[str]:
 
 
 # -- verify ---------------------------------------------------------------------------------------
-def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True,
-           quarantine: bool = True, share_group: bool | None = None) -> dict[str, Any]:
-    """Re-check every block's header and payload checksum in every root; move to quarantine the bad
-    ones, the files of writers the pool does not trust (``untrusted``, :class:`~.pool.PoolTrust`;
-    ``share_group``: TLLM_GDS_KV_SHARE_GROUP where not given) and whatever else sits at a block name
-    (``junk``: a directory, FIFO or symbolic link)."""
-    roots = pool_roots(root)
-    for r in roots:
-        _require_pool(r)
-    if workers < 1:
-        raise UsageError(f"workers must be >= 1, got {workers}")
-    share = import_time_value("share_group") if share_group is None else share_group
-    results = [_verify_root(r, workers, progress, quarantine, share) for r in roots]
-    reasons: Counter[str] = Counter()
-    for r in results:
-        reasons.update(r["reasons"])
-    totals = {k: _sum(results, k) for k in ("checked", "ok", "bad", "vanished", "quarantined",
-                                            "unreadable_entries")}
-    totals |= {"reasons": dict(reasons),
-               "bad_files": [f for r in results for f in r["bad_files"]][:MAX_LISTED_BAD],
-               "bytes_read": _sum(results, "bytes_read"),
-               "duration_s": round(sum(r["duration_s"] for r in results), 3)}
-    return _over_roots(results, totals)
-
-
-def _verify_root(root: str, workers: int, progress: bool, quarantine: bool, share_group: bool) -> dict[str, Any]:
-    t0 = time.monotonic()
-    scan = scan_pool(root)
-    blocks = scan.blocks
-    trust = PoolTrust.of_roots((root,), share_group)
-    payload_lens = {fp: _geometry_payload_len(root, fp) for fp in {b.fp for b in blocks}}
-    reasons: Counter[str] = Counter()
-    bad_files: list[dict[str, Any]] = []
-    checked = ok = vanished = quarantined = 0
-    nbytes = 0
-    tick = _progress(len(blocks) + len(scan.junk), progress)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gdskv-verify") as ex:
-        checks = itertools.chain(
-            ((j, _verify_junk(root, j, quarantine)) for j in scan.junk),
-            _map_bounded(ex, lambda b: _verify_one(root, b, quarantine, trust, payload_lens[b.fp]), blocks,
-                         workers * 64))
-        for block, outcome in checks:
-            tick()
-            kind, detail, size, moved = outcome
-            nbytes += size
-            if kind == "vanished":
-                vanished += 1
-                continue
-            checked += 1
-            if kind == "ok":
-                ok += 1
-                continue
-            reasons[kind] += 1
-            quarantined += moved is not None
-            if len(bad_files) < MAX_LISTED_BAD:
-                bad_files.append({"path": block.path, "reason": kind, "detail": detail, "quarantined_to": moved})
-    tick(done=True)
-    bad = sum(reasons.values())
-    return {"root": os.path.abspath(root), "checked": checked, "ok": ok, "bad": bad, "vanished": vanished,
-            "quarantined": quarantined, "reasons": dict(reasons), "bad_files": bad_files,
-            "bytes_read": nbytes, "duration_s": round(time.monotonic() - t0, 3),
-            "unreadable_entries": scan.unreadable,  # blocks there were not checked: not a clean bill
-            "exit_code": EXIT_PROBLEMS if bad or scan.unreadable else EXIT_OK}
-
-
-def format_verify(result: dict[str, Any]) -> str:
-    total = (f"{result['checked']} blocks checked, {result['ok']} ok, {result['bad']} bad "
-             f"({result['quarantined']} quarantined)")
-    return "\n".join(_format_over_roots(result, _verify_lines, total))
-
-
-def _verify_lines(result: dict[str, Any]) -> list[str]:
-    lines = [f"pool {result['root']}: {result['checked']} blocks checked, {result['ok']} ok, {result['bad']} bad "
-             f"({result['quarantined']} quarantined) in {result['duration_s']:.1f} s"]
-    for reason, n in sorted(result["reasons"].items()):
-        lines.append(f"  {reason}: {n}")
-    for f in result["bad_files"]:
-        lines.append(f"  {f['path']}: {f['reason']}: {f['detail']}")
-    if result["bad"] > len(result["bad_files"]):
-        lines.append(f"  ... and {result['bad'] - len(result['bad_files'])} more")
-    if result["unreadable_entries"]:
-        lines.append(f"  {result['unreadable_entries']} directories or entries could not be read: their blocks "
-                     "were not checked")
-    return lines
-
-
-def _map_bounded(ex: ThreadPoolExecutor, fn: Callable[[BlockFile], Any], items: list[BlockFile],
-                 window: int) -> Iterator[tuple[BlockFile, Any]]:
-    """``ex.map`` in windows, so a pool of millions of blocks never has millions of futures."""
-    for start in range(0, len(items), window):
-        chunk = items[start:start + window]
-        yield from zip(chunk, ex.map(fn, chunk))
-
-
-def _geometry_payload_len(root: str, fp: str) -> int | None:
-    """The payload size the owners of fingerprint ``fp`` recorded (fingerprint.json): every block of
-    it has that size (the fingerprint covers it), so no header claiming another is read further;
-    None when the file is absent or garbage (a block's own size is then the only bound)."""
-    value = (read_geometry(root, fp) or {}).get("payload_len")
-    return value if type(value) is int and 0 < value <= MAX_PAYLOAD else None
-
-
-def _verify_junk(root: str, entry: BlockFile, quarantine: bool) -> tuple[str, str, int, str | None]:
-    """An entry at a block name that is not a regular file: it never loads and keeps its key from
-    being saved, so it is moved to quarantine whole (renamed: a link is not followed, a FIFO not
-    opened, a directory not emptied)."""
-    try:
-        kind = file_kind(os.lstat(entry.path).st_mode)
-    except FileNotFoundError:
-        return "vanished", "", 0, None
-    return "junk", f"a {kind} at a block name", 0, _quarantine(root, entry, entry.ino, "junk", quarantine)
-
-
-def _verify_one(root: str, block: BlockFile, quarantine: bool, trust: PoolTrust,
-                payload_len: int | None) -> tuple[str, str, int, str | None]:
-    """(kind, detail, bytes read, quarantine path); kind is ok, vanished, untrusted, header, checksum
-    or io.  A file a writer outside ``trust`` made or could change is not read at all; a header is
-    read further only if its payload fits the file and the geometry (``payload_len``), so no
-    allocation exceeds either."""
-    try:
-        fd, st = open_regular(block.path)
-    except FileNotFoundError:
-        return "vanished", "", 0, None  # evicted while we walked
-    except OSError as exc:
-        return "io", f"open failed: {exc.strerror}", 0, None
-    try:
-        untrusted = trust.why_not(st)
-        if untrusted is not None:
-            return "untrusted", untrusted, 0, _quarantine(root, block, st.st_ino, "untrusted", quarantine)
-        raw = os.pread(fd, HEADER_SIZE, 0)
-        if raw[:len(REF_MAGIC)] == REF_MAGIC and is_ref_size(st.st_size):
-            return _verify_ref(root, block, fd, st, quarantine, payload_len)
-        try:
-            header = parse_header(raw, key=block.key, file_size=st.st_size, payload_len=payload_len)
-            if header.fingerprint.hex()[:len(block.fp)] != block.fp:
-                raise FormatError("fingerprint differs from its directory")
-        except FormatError as exc:
-            return "header", str(exc), len(raw), _quarantine(root, block, st.st_ino, "bad header", quarantine)
-        payload = _pread_exact(fd, header.payload_len, HEADER_SIZE)
-        got = checksum_bytes(payload)
-        if got != header.checksum:
-            return ("checksum", f"header {header.checksum:#018x}, data {got:#018x}", len(raw) + len(payload),
-                    _quarantine(root, block, st.st_ino, "checksum mismatch", quarantine))
-        return "ok", "", len(raw) + len(payload), None
-    except OSError as exc:
-        return "io", f"read failed: {exc.strerror or exc}", 0, None
-    finally:
-        os.close(fd)
-
-
-def _verify_ref(root: str, block: BlockFile, fd: int, st: os.stat_result, quarantine: bool,
-                payload_len: int | None) -> tuple[str, str, int, str | None]:
-    """An arena reference: check it, then the slab slot it names, like a block file (the checks
-    eviction reads a reference's recency through: :class:`~.pool_scan.RefFile`); a slot size other
-    than the geometry's (``payload_len``) is a bad reference, so a slot read is bounded by it."""
-    raw = _pread_exact(fd, st.st_size, 0)
-    try:
-        ref_file = parse_ref_file(block, raw)
-        ref_file.entry(block.key)
-        if payload_len is not None and ref_file.slot_bytes != file_size_for(payload_len):
-            raise FormatError(f"slot size {ref_file.slot_bytes} differs from the geometry's "
-                              f"{file_size_for(payload_len)}")
-    except FormatError as exc:
-        return "header", f"reference: {exc}", len(raw), _quarantine(root, block, st.st_ino, "bad reference", quarantine)
-    try:
-        sfd, sst = open_regular(ref_file.slab_path(block))
-    except (FileNotFoundError, NotRegularFile) as exc:  # a FIFO there no longer hangs verify for ever
-        what = "missing" if isinstance(exc, FileNotFoundError) else "not a regular file"
-        return "header", f"slab {ref_file.slab} is {what}", len(raw), _quarantine(
-            root, block, st.st_ino, "missing slab", quarantine)
-    try:
-        try:
-            ref, header = ref_file.slot_header(sfd, sst.st_size, block.key)
-        except FormatError as exc:
-            ref = ref_file.entries[block.key]
-            return "header", f"slot {ref.slab}#{ref.slot}: {exc}", len(raw) + HEADER_SIZE, _quarantine(
-                root, block, st.st_ino, "bad slot", quarantine)
-        off = ref.slot * ref_file.slot_bytes
-        payload = _pread_exact(sfd, header.payload_len, off + HEADER_SIZE)
-        got = checksum_bytes(payload)
-        read = len(raw) + HEADER_SIZE + len(payload)
-        if got != header.checksum:
-            return ("checksum", f"slot {ref.slab}#{ref.slot}: header {header.checksum:#018x}, data {got:#018x}",
-                    read, _quarantine(root, block, st.st_ino, "checksum mismatch", quarantine))
-        return "ok", "", read, None
-    finally:
-        os.close(sfd)
-
-
-def _quarantine(root: str, block: BlockFile, ino: int, reason: str, enabled: bool) -> str | None:
-    """Move the file we checked (same inode) out of the lookup path; None if not moved."""
-    if not enabled:
-        return None
-    try:
-        if os.stat(block.path, follow_symlinks=False).st_ino != ino:
-            return None
-        dest = quarantine_destination(root, block.key.hex(), reason)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.rename(block.path, dest)
-    except FileNotFoundError:
-        return None
-    return dest
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(errno.EIO, f"file ended {n - done} bytes short")
-        done += got
-    return bytes(buf)
-
-
-def _progress(total: int, enabled: bool) -> Callable[..., None]:
-    """A tick function drawing tqdm if installed, else a counter on stderr at most twice a second."""
-    if not enabled or total == 0:
-        return lambda done=False: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(total=total, unit="blk", file=sys.stderr, desc="verify")
-
-        def tick(done: bool = False) -> None:
-            if done:
-                bar.close()
-            else:
-                bar.update(1)
-        return tick
-    state = {"n": 0, "last": 0.0}
-
-    def tick(done: bool = False) -> None:
-        if not done:
-            state["n"] += 1
-        now = time.monotonic()
-        if done or now - state["last"] >= 0.5:
-            state["last"] = now
-            sys.stderr.write(f"\rverify: {state['n']}/{total}" + ("\n" if done else ""))
-            sys.stderr.flush()
-    return tick
-
-
 def _files_with_sizes(d: str, suffix: str, unreadable: list[int]) -> list[int]:
     return _sizes((os.path.join(d, n) for n in _names(d, unreadable) if n.endswith(suffix)), unreadable)
 

@@ -116,7 +116,7 @@ def owners_dir(root: str) -> str:
 
 def fingerprint_dirs(root: str) -> list[str]:
     """Names of the fingerprint directories (16 hex digits); other entries are not blocks."""
-    return _fp_names(list_dir(layout_dir(root)))
+    return fp_names(list_dir(layout_dir(root)))
 
 
 def is_key_stem(name: str) -> bool:
@@ -134,7 +134,7 @@ def mkdir_like_parent(d: str) -> None:
         pass
 
 
-def _fp_names(names: list[str]) -> list[str]:
+def fp_names(names: list[str]) -> list[str]:
     return sorted(n for n in names if len(n) == _FP_DIR_LEN and set(n) <= _HEX)
 
 
@@ -147,15 +147,15 @@ def scan_pool(root: str) -> PoolScan:
     """
     out = PoolScan()
     base = layout_dir(root)
-    for fp in _fp_names(_list_counted(base, out)):
+    for fp in fp_names(list_counted(base, out)):
         fp_dir = os.path.join(base, fp)
-        for sub in _list_counted(fp_dir, out):
+        for sub in list_counted(fp_dir, out):
             if len(sub) != 2 or not set(sub) <= _HEX:
                 continue
             try:
                 with os.scandir(os.path.join(fp_dir, sub)) as it:
                     for entry in it:
-                        _classify(out, fp, sub, entry)
+                        classify_entry(out, fp, sub, entry)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # removed meanwhile (another owner, an operator), or not a directory
             except OSError:  # unreadable, or a read error part way: what was listed is kept
@@ -163,7 +163,7 @@ def scan_pool(root: str) -> PoolScan:
     return out
 
 
-def _list_counted(d: str, out: PoolScan) -> list[str]:
+def list_counted(d: str, out: PoolScan) -> list[str]:
     """:func:`list_dir`, counting a directory that exists but cannot be listed in ``out``."""
     try:
         return os.listdir(d)
@@ -174,7 +174,7 @@ def _list_counted(d: str, out: PoolScan) -> list[str]:
         return []
 
 
-def _classify(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
+def classify_entry(out: PoolScan, fp: str, sub: str, entry: os.DirEntry) -> None:
     name = entry.name
     if name.startswith(TMP_PREFIX):
         out.tmp.append(entry.path)

@@ -27,10 +27,10 @@ from gds_kv_connector.config.settings import import_time_value
 from gds_kv_connector.format.checksum import checksum_bytes
 from gds_kv_connector.format.records import (HEADER_SIZE, MAX_PAYLOAD, REF_MAGIC, FormatError, file_size_for,
                                              is_ref_size, parse_header)
-from gds_kv_connector.maintenance.operations import (EXIT_OK, EXIT_PROBLEMS, UsageError, _format_over_roots,
-                                                     _over_roots, _require_pool, pool_roots)
-from gds_kv_connector.maintenance.pool_scan import (BlockFile, NotRegularFile, PoolScan, _classify, _fp_names,
-                                                    _list_counted, layout_dir, open_regular, parse_ref_file,
+from gds_kv_connector.maintenance.operations import (EXIT_OK, EXIT_PROBLEMS, UsageError, format_over_roots,
+                                                     over_roots, require_pool, pool_roots)
+from gds_kv_connector.maintenance.pool_scan import (BlockFile, NotRegularFile, PoolScan, classify_entry, fp_names,
+                                                    list_counted, layout_dir, open_regular, parse_ref_file,
                                                     quarantine_destination, read_geometry)
 from gds_kv_connector.maintenance.verify_progress import VerifyProgress
 from gds_kv_connector.maintenance.verify_state import (MAX_LISTED_BAD, SHARD_DIRS, WHOLE_POOL, Shard, StateError,
@@ -69,7 +69,7 @@ def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True, q
     """
     roots = pool_roots(root)
     for r in roots:
-        _require_pool(r)
+        require_pool(r)
     if workers < 1:
         raise UsageError(f"workers must be >= 1, got {workers}")
     share = import_time_value("share_group") if share_group is None else share_group
@@ -114,7 +114,7 @@ def verify(root: str | Sequence[str], workers: int = 8, progress: bool = True, q
                "bytes_read": sum(r["bytes_read"] for r in results),
                "duration_s": round(sum(r["duration_s"] for r in results), 3),
                "shard": str(shard), "resumed": resumed, "state": state_path}
-    return _over_roots(results, totals)
+    return over_roots(results, totals)
 
 
 class _Walk:
@@ -152,8 +152,8 @@ class _Walk:
         unlisted = []
         for i, root in enumerate(self.roots):
             listing = PoolScan()
-            for fp in _fp_names(_list_counted(layout_dir(root), listing)):
-                for kk in _list_counted(os.path.join(layout_dir(root), fp), listing):
+            for fp in fp_names(list_counted(layout_dir(root), listing)):
+                for kk in list_counted(os.path.join(layout_dir(root), fp), listing):
                     if kk in present and not st.is_done(i, fp, kk):
                         present[kk].append((i, fp))
             unlisted.append(listing.unreadable)
@@ -170,7 +170,7 @@ class _Walk:
         try:
             with os.scandir(os.path.join(layout_dir(root), fp, kk)) as it:
                 for entry in it:
-                    _classify(listing, fp, kk, entry)
+                    classify_entry(listing, fp, kk, entry)
         except (FileNotFoundError, NotADirectoryError):
             pass  # removed meanwhile, or not a directory
         except OSError:  # unreadable, or a read error part way: what was listed is verified
@@ -258,7 +258,7 @@ def _say(line: str) -> None:
 def format_verify(result: dict[str, Any]) -> str:
     total = (f"{result['checked']} blocks checked, {result['ok']} ok, {result['bad']} bad "
              f"({result['quarantined']} quarantined)")
-    lines = _format_over_roots(result, _verify_lines, total)
+    lines = format_over_roots(result, _verify_lines, total)
     if result.get("shard", "0/1") != "0/1":
         lines.append(f"shard {result['shard']}: only the shard directories of this process; the other "
                      "processes' results complete the pool")

@@ -772,28 +772,6 @@ class BlockPool:
             except OSError as exc:
                 log.warning("could not remove temporary file %s: %s", tmp, exc)
 
-    # -- maintenance ------------------------------------------------------------------------------
-    def cleanup_stale_tmp(self, now: float | None = None) -> int:
-        """Remove temporary files that no writer can still be publishing (:func:`tmp_is_stale`);
-        ``now`` (wall-clock seconds) is for tests."""
-        removed = 0
-        now = time.time() if now is None else now
-        for fp_dir in self.fp_dirs:
-            for sub in _listdir(fp_dir):
-                d = os.path.join(fp_dir, sub)
-                for name in _listdir(d):
-                    if not name.startswith(TMP_PREFIX):
-                        continue
-                    if tmp_is_stale(name, os.path.join(d, name), now):
-                        try:
-                            os.unlink(os.path.join(d, name))
-                            removed += 1
-                        except FileNotFoundError:
-                            pass
-        if removed:
-            log.info("removed %d stale temporary file(s) left by dead writers", removed)
-        return removed
-
     # -- internals --------------------------------------------------------------------------------
     def _check_root(self, root: str) -> None:
         if not os.path.isdir(root):

@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from gds_kv_connector.maintenance.eviction import evict
+
 pytest.register_assert_rewrite("tests.support.fault_helpers")
 from tests.support import fault_helpers as fh  # noqa: E402
 from gds_kv_connector.engines.posix import PosixEngine  # noqa: E402
@@ -58,7 +60,7 @@ def _drain(fd: int, timeout: float) -> bytes:
 
 
 def _live_tmp_holder(root: str, wfd: int, rfd: int) -> None:
-    """A live writer holding a temporary file open, as cleanup_stale_tmp will find it."""
+    """A live writer holding a temporary file open, as an evictor listing its shard will find it."""
     pool = fh.make_pool(root)
     key = fh.key_of("live-writer")
     from gds_kv_connector.format.records import BlockHeader
@@ -129,7 +131,7 @@ def test_kill9_writers_leave_no_partial_block(tmp_path):
         assert reported >= TRIALS // 2, f"writers published only {reported} blocks: the kills landed too early"
         assert tmp_left_trials > 0, "no kill ever landed mid-write; the test does not exercise what it claims"
 
-        # cleanup_stale_tmp removes the dead writers' temporary files, not a live writer's.
+        # The evictor's shard listings remove the dead writers' temporary files, not a live writer's.
         dead_tmps = fh.tmp_files(pool)
         r1, w1 = os.pipe()
         r2, w2 = os.pipe()
@@ -137,8 +139,8 @@ def test_kill9_writers_leave_no_partial_block(tmp_path):
         live.start()
         try:
             live_tmp = _read_line(r1, 10.0).decode().strip()
-            assert fh.make_pool(root).cleanup_stale_tmp() == 0  # all young: pids prove nothing yet
-            removed = fh.make_pool(root).cleanup_stale_tmp(now=time.time() + TMP_YOUNG_S + 5)
+            assert evict(root, 0, 0.5, 0, 1).tmp_removed == 0  # all young: pids prove nothing yet
+            removed = evict(root, 0, 0.5, 0, 1, now=time.time() + TMP_YOUNG_S + 5).tmp_removed
             assert os.path.exists(live_tmp), "cleanup removed a live writer's temporary file"
             assert removed == len(dead_tmps)
             assert fh.tmp_files(pool) == [live_tmp]

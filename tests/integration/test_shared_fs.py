@@ -523,7 +523,7 @@ def _republish_head_through_b(a: rig.Node, b: rig.Node, tmp_path, look_at_tmp_th
     B publishes it again as docs/format.md says (a temporary file created with O_EXCL, written, closed,
     link(2)ed to the key's name, unlinked), while node A's owner waits to serve the same prompt.  With
     ``look_at_tmp_through_a``, node A's mount stats the temporary file while it is still empty, as node A's
-    own processes do to every temporary file they list (BlockPool.cleanup_stale_tmp at each owner's start,
+    own processes do to every temporary file they list (each shard listing of an evictor,
     the tidy step of every eviction run and of gds-kv gc: os.stat for its age).  Then node A serves the prompt.
     Returns node A's report and what its pool quarantined."""
     s = str(tmp_path)

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from gds_kv_connector.maintenance.eviction import evict
+
 from tests.support import REPO
 import torch
 
@@ -320,9 +322,9 @@ def test_a_node_never_takes_another_node_s_temporary_file_for_its_own(tmp_path, 
     os.rename(a_tmp, a_dead)
     os.rename(b_tmp, b_dead)
     assert f"-{TAG_B}-{dead}-" in os.path.basename(b_dead)
-    assert pool.cleanup_stale_tmp(now=time.time() + TMP_YOUNG_S + 5) == 1
+    assert evict(pool.roots[0], 0, 0.5, 0, 1, now=time.time() + TMP_YOUNG_S + 5).tmp_removed == 1
     assert os.path.exists(a_dead) and not os.path.exists(b_dead)
-    assert pool.cleanup_stale_tmp(now=time.time() + STALE_FOREIGN_TMP_S + 5) == 1
+    assert evict(pool.roots[0], 0, 0.5, 0, 1, now=time.time() + STALE_FOREIGN_TMP_S + 5).tmp_removed == 1
     assert not os.path.exists(a_dead)
 
 

@@ -61,7 +61,6 @@ def invisible_pids(monkeypatch):
 def test_young_tmp_of_an_invisible_pid_is_kept(pool, invisible_pids):
     path = _tmp(pool)
     assert not tmp_is_stale(os.path.basename(path), path, time.time())
-    assert pool.cleanup_stale_tmp() == 0
     assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0
     assert os.path.exists(path)
 
@@ -71,7 +70,7 @@ def test_backdated_mtime_does_not_make_a_tmp_old(pool, invisible_pids):
     path = _tmp(pool)
     old = time.time() - 2 * STALE_FOREIGN_TMP_S
     os.utime(path, (old, old))
-    assert pool.cleanup_stale_tmp() == 0 and os.path.exists(path)
+    assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0 and os.path.exists(path)
 
 
 def test_gc_in_another_pid_namespace_does_not_break_a_live_save(pool, monkeypatch):
@@ -84,7 +83,6 @@ def test_gc_in_another_pid_namespace_does_not_break_a_live_save(pool, monkeypatc
         m.setattr(os, "getpid", lambda: real_pid + 1)
         m.setattr(os, "kill", lambda pid, sig: (_ for _ in ()).throw(ProcessLookupError(errno.ESRCH, "")))
         assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0
-        assert BlockPool(pool.roots, FP, PAYLOAD, 4).cleanup_stale_tmp() == 0
     assert pool.publish(fd, tmp, KEY)
     assert pool.contains(KEY)
 
@@ -96,7 +94,7 @@ def test_dead_local_writer_tmp_goes_once_past_the_young_age(pool, invisible_pids
     assert evict(pool.roots[0], 0, 0.5, 0, 1, now=later).tmp_removed == 1
     assert not os.path.exists(path)
     path = _tmp(pool)
-    assert pool.cleanup_stale_tmp(now=later) == 1 and not os.path.exists(path)
+    assert evict(pool.roots[0], 0, 0.5, 0, 1, now=later).tmp_removed == 1 and not os.path.exists(path)
 
 
 def test_live_local_writer_tmp_goes_after_the_foreign_age(pool):
@@ -116,14 +114,13 @@ def test_foreign_host_tmp_goes_after_the_foreign_age(pool):
 @pytest.mark.parametrize("pid", ["99999999999999999999", str(2**31), "\u00b2", "\u0663", "0", "007", "-1", ""])
 def test_odd_pid_in_a_name_is_a_foreign_file_not_a_crash(pool, pid):
     """review-ops/r7 (b): a 20-digit pid made os.kill raise OverflowError, which stopped gc and
-    every connector starting on the host (cleanup_stale_tmp)."""
+    every connector starting on the host (it then listed the pool's temporary files at start)."""
     path = _tmp(pool, pid=pid)
     name = os.path.basename(path)
-    assert pool.cleanup_stale_tmp() == 0
     assert evict(pool.roots[0], 0, 0.5, 0, 1).tmp_removed == 0
     assert not tmp_is_stale(name, path, time.time() + TMP_YOUNG_S + 5)
     assert tmp_is_stale(name, path, time.time() + STALE_FOREIGN_TMP_S + 5)
-    assert pool.cleanup_stale_tmp(now=time.time() + STALE_FOREIGN_TMP_S + 5) == 1
+    assert evict(pool.roots[0], 0, 0.5, 0, 1, now=time.time() + STALE_FOREIGN_TMP_S + 5).tmp_removed == 1
 
 
 def test_pid_alive_answers_for_numbers_no_process_can_have():
