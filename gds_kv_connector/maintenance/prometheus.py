@@ -54,7 +54,8 @@ OWNER_LABELS = ("owner", "host")
 # failure, which a rate then misses.
 ZERO_COUNTERS = ("match_queries", "match_blocks_hit", "match_blocks_miss", "tokens_loaded", "tokens_saved",
                  "bytes_loaded", "bytes_saved", "blocks_saved", "loads_sync", "loads_async", "load_failures",
-                 "sync_load_wait_us", "evict_runs", "evict_blocks", "evict_bytes", "save_blocks_dropped_backlog",
+                 "sync_load_wait_us", "evict_runs", "evict_blocks", "evict_bytes", "evict_child_failed",
+                 "save_blocks_dropped_backlog",
                  "save_blocks_dropped_deadline", "save_blocks_dropped_at_finish", "save_blocks_dropped_at_shutdown",
                  "load_blocks_cancelled", "load_blocks_not_admitted",
                  *(f"save_failed_{e}" for e in ("ENOSPC", "EDQUOT", "EIO", "EROFS", "EACCES", "ESTALE")))
@@ -80,6 +81,8 @@ DOCS = {
     "load_blocks_dropped": "matched blocks not loaded, by cause",
     "load_failures": "requests whose load failed (the process fails with them)",
     "evict_blocks": "blocks evicted to keep the pool within its budget",
+    "evict_child_failed": "eviction runs whose child process could not start, crashed, hung past "
+                          "TLLM_GDS_KV_EVICT_TIME_LIMIT_S or gave no report (retried at the next interval)",
     "load_latency_seconds": "load batches, from acceptance to the last byte",
     "save_latency_seconds": "save batches, from acceptance to the last byte published",
     "pool_usage_bytes": "bytes the quota is held against (block and arena reference files), as an owner's "
