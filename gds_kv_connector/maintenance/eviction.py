@@ -50,7 +50,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -64,7 +64,7 @@ from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, Ref
                                                     quarantined_at_ns, read_published)
 from gds_kv_connector.maintenance.shard_summary import (E_INO, E_KEY, E_MTIME, E_RECENCY, E_SHARE, E_SIZE, FUTURE_TOLERANCE_NS, FX_ONE,
                                                         Entry, RootSummaries, Shard, clamp_ns, fx_bytes, refresh)
-from gds_kv_connector.maintenance.recency import RecencyIndex, fold_stale_logs
+from gds_kv_connector.maintenance.recency import RecencyIndex, access_horizon, fold_stale_logs
 from gds_kv_connector.maintenance.retired_owners import fold_retired_owners
 from gds_kv_connector.config.settings import SPECS
 
@@ -346,8 +346,13 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
         now_ns = int(now * 1e9)
         indexes = recency or [RecencyIndex(r) for r in roots]
         skipped = [index.skipped_bytes for index in indexes]
-        access = [index.refresh() for index in indexes]  # before the rebuilds: entries record them
         sums = {i: RootSummaries.load(roots[i], i) for i in live}
+        # Only the accesses since the oldest summary (and the grace) are needed: older ones are in
+        # the entries' recency.  Read before the rebuilds, whose entries record them.
+        horizon = _horizon(sums.values(), now_ns - hold_ns)
+        for index in indexes:
+            index.set_horizon(horizon)
+        access = [index.refresh() for index in indexes]
         tallies = refresh(list(sums.values()), access, now, write=not dry_run)
         # Part of the pool could not be read: a block there may be another's parent, and its access
         # records must not be forgotten.
@@ -376,6 +381,10 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             for i in sums:
                 reports[i].log_bytes_skipped = indexes[i].skipped_bytes - skipped[i]
                 indexes[i].forget(planner.removed_keys.get(i, ()), now_ns)
+        if not dry_run:  # a long-lived index keeps only what the next run needs
+            horizon = _horizon(sums.values(), now_ns - hold_ns)
+            for index in indexes:
+                index.set_horizon(horizon)
         if header_cache is not None:
             _keep_cache(header_cache, planner)
         if not dry_run:
@@ -385,7 +394,8 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
                 _tidy_owners(root, now)
                 if not blind:  # a fold drops the records of the blocks this run removed
                     gone = planner.removed_keys.get(i, set()) if planner is not None else set()
-                    report.logs_folded = fold_stale_logs(root, _Except(gone), LOG_FOLD_AGE_S, now)
+                    report.logs_folded = fold_stale_logs(root, _Except(gone), LOG_FOLD_AGE_S, now,
+                                                         dead_at_most=len(gone))
     duration = time.monotonic() - t0
     for report in reports:
         report.duration_s = duration
@@ -394,6 +404,12 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
                      report.root, "would evict" if dry_run else "evicted", report.evicted_blocks,
                      report.evicted_bytes, report.reason, report.target_bytes, report.protected_blocks)
     return reports
+
+
+def _horizon(sums: Iterable[RootSummaries], held_ns: int) -> int:
+    """The access records a run needs: since its oldest summary and within its grace
+    (:func:`~.recency.access_horizon`); 0 (all of them) while a shard has no summary."""
+    return access_horizon(min((s.oldest_built_ns() for s in sums), default=held_ns), held_ns)
 
 
 class _Except:
@@ -451,6 +467,7 @@ class _Cand:
     sid: int  # its shard, by the planner's numbering
     index: int  # of the entry in its shard's summary
     share: int  # its part of the file's bytes, in 1/FX_ONE
+    recency: int  # its entry's: publication and the accesses logged before its summary was built
     ref: bool
     created: int
     parent: bytes
@@ -564,17 +581,18 @@ class _Planner:
                     self.cache[path] = (_identity(b, ref), created, parent)
         if ref:
             self.names.setdefault((shard.root, b.file_id), st.st_nlink)
-        self.cands[path] = _Cand(b, shard.root, sid, idx, e[E_SHARE], ref, created, parent)
+        self.cands[path] = _Cand(b, shard.root, sid, idx, e[E_SHARE], e[E_RECENCY], ref, created, parent)
 
     def _graph(self) -> dict[NodeId, _Node]:
         """The window as a graph: nodes keyed by (fingerprint dir, key), parent links across roots,
         recency raised by accesses and descendants, protection marked.  A block's recency starts as
-        the newer of its header's ``created_ns`` and its mtime, each clamped (:func:`clamp_ns`)."""
+        the newest of its header's ``created_ns``, its mtime and its entry's recency, each clamped
+        (:func:`clamp_ns`): the entry's holds the accesses older than the index's horizon."""
         n_roots, now_ns = len(self.roots), self.now_ns
         nodes: dict[NodeId, _Node] = {}
         for c in self.cands.values():
             b = c.block
-            published = max(clamp_ns(c.created, now_ns), clamp_ns(b.mtime_ns, now_ns))
+            published = max(clamp_ns(c.created, now_ns), clamp_ns(b.mtime_ns, now_ns), clamp_ns(c.recency, now_ns))
             node = _Node(b, published, None if c.parent == ZERO_KEY else (b.fp, c.parent), root=c.root, ref=c.ref)
             if n_roots > 1 and (b.fp, b.key) in nodes:
                 node = _keep_readable_copy(nodes, node, n_roots)

@@ -29,6 +29,13 @@ time, so memory grows with the keys read, never with the file, and of a log larg
 is read; the rest is counted (:attr:`RecencyIndex.skipped_bytes`) and logged once per file.  A
 fold takes such a log like any idle one, so it goes.  Only regular files are opened, without
 blocking (:func:`~.pool_scan.open_regular`).
+
+An evictor needs only the records newer than a *horizon* (:meth:`RecencyIndex.set_horizon`): the
+shard summaries it plans over already hold, in each entry's recency, every access logged before
+they were built (:mod:`.shard_summary`).  Records older than the horizon are not kept, and not read
+where the file's order allows: every log is written in time order (an owner appends in flush order;
+a compaction and a fold write oldest first), so the first record that may be newer is found by
+bisection over the fixed-size records (:func:`_first_since`), and only the rest is read.
 """
 
 from __future__ import annotations
@@ -62,6 +69,14 @@ MAX_LOG_BYTES = 64 << 20  # compact an owner's log beyond this: ~1.6M records
 MAX_READ_BYTES = 4 * MAX_LOG_BYTES // RECORD.size * RECORD.size
 READ_CHUNK_BYTES = 100_000 * RECORD.size  # 4 MB: what one pread of a log brings into memory
 MAX_PENDING_BATCHES = 1 << 16  # touches kept unwritten (a failed write's, one per root they went to)
+#: How far a record may be out of time order and still be found by bisection, and how much older
+#: than a summary's build an access may be stamped and still have been logged after the build read
+#: the logs: a writer's clock skew (NTP keeps hosts within milliseconds), its flush interval (1 s;
+#: a promise is written at once) and its retry after a failed write (one interval), a touch stamped
+#: before a concurrent one took the queue first (microseconds), with a wide margin.  A record later
+#: than that (a clock stepped back further, a write failing for minutes) loses its ordering effect
+#: only: a horizon is never later than the grace (:func:`access_horizon`), so promises all count.
+HORIZON_SLACK_NS = 120 * 10**9
 _EPOCH_2020_NS = 1_577_836_800 * 10**9
 _FUTURE_SLACK_NS = 86_400 * 10**9
 _OPEN_LOCK = threading.RLock()  # for_process holds it while __init__ takes it again
@@ -358,9 +373,10 @@ class _OwnerLog:
         raise OSError(errno.ESTALE, f"access log {self.path} keeps being replaced")
 
     def compact(self, target_bytes: int) -> None:
-        """Rewrite the log as one record per key, newest keys first if still too large."""
+        """Rewrite the log as one record per key, only the newest keys if still too large, written
+        oldest first: appends then go on in time order, which a reader's bisection relies on."""
         latest = _merge_file(self.path, {})
-        keep = sorted(latest.items(), key=lambda kv: kv[1], reverse=True)[:max(1, target_bytes // RECORD.size)]
+        keep = sorted(latest.items(), key=_stamp)[-max(1, target_bytes // RECORD.size):]
         atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
         self.close()
 
@@ -375,6 +391,15 @@ class _OwnerLog:
         self.fd, st = open_regular(self.path, os.O_WRONLY | os.O_CREAT)  # a FIFO there fails, never blocks
         size = st.st_size
         self.size = size - size % RECORD.size  # overwrite a torn record left by a crash
+
+
+def access_horizon(oldest_built_ns: int, held_ns: int) -> int:
+    """The horizon of a run: the records it must see are those newer than the oldest summary it uses
+    (``oldest_built_ns``; 0 when a shard has none: a first build needs every record) and every one
+    within its grace (newer than ``held_ns``), both less :data:`HORIZON_SLACK_NS`."""
+    if oldest_built_ns <= 0:
+        return 0
+    return max(0, min(oldest_built_ns, held_ns) - HORIZON_SLACK_NS)
 
 
 class RecencyIndex:
@@ -392,21 +417,41 @@ class RecencyIndex:
 
     Appended bytes beyond :data:`MAX_READ_BYTES` since the last read are skipped, the oldest
     first, and counted in :attr:`skipped_bytes`.
+
+    With a horizon (:meth:`set_horizon`), records older than it are neither kept nor, where a
+    bisection finds where the newer ones begin, read: memory and reads follow the records since
+    the horizon, not the logs.  :attr:`read_bytes` counts the bytes of records read, bisection
+    probes included.
     """
 
     def __init__(self, root: str, unwritten: Callable[[], dict[bytes, int]] | None = None) -> None:
         self.dir = owners_dir(root)
         self.latest: dict[bytes, int] = {}
         self.skipped_bytes = 0
+        self.read_bytes = 0
+        self.horizon_ns = 0  # records older than this are neither kept nor read where avoidable
         self._offsets: dict[str, tuple[int, int]] = {}  # name -> (inode, bytes consumed)
         self._unwritten = unwritten
+
+    def set_horizon(self, horizon_ns: int) -> None:
+        """Keep only the records newer than ``horizon_ns`` from now on.
+
+        A later horizon drops the keys last accessed before it (a new dict: deleting in place would
+        keep the table at its largest size).  An earlier one makes the next refresh read every log
+        again from the new horizon on, since the records before the old one were passed over.
+        """
+        if horizon_ns < self.horizon_ns:
+            self._offsets.clear()
+        elif horizon_ns > self.horizon_ns:
+            self.latest = {k: t for k, t in self.latest.items() if t >= horizon_ns}
+        self.horizon_ns = horizon_ns
 
     def refresh(self) -> dict[bytes, int]:
         queued = self._unwritten() if self._unwritten is not None else {}  # first: see unwritten()
         self._read_logs()
-        latest = self.latest
+        latest, horizon = self.latest, self.horizon_ns
         for key, ts in queued.items():
-            if latest.get(key, 0) < ts:
+            if ts >= horizon and latest.get(key, 0) < ts:
                 latest[key] = ts
         return latest
 
@@ -429,9 +474,14 @@ class RecencyIndex:
                 if ino != st.st_ino or st.st_size < done:
                     done = 0
                 end = done + (st.st_size - done) // RECORD.size * RECORD.size
-                start = _capped_start(path, done, end)
-                self.skipped_bytes += start - done
-                done = _merge_range(fd, start, end, self.latest)
+                first = done
+                if self.horizon_ns and end > done:
+                    first, probes = _first_since(fd, done, end, self.horizon_ns - HORIZON_SLACK_NS)
+                    self.read_bytes += probes * RECORD.size
+                start = _capped_start(path, first, end)
+                self.skipped_bytes += start - first
+                done = _merge_range(fd, start, end, self.latest, self.horizon_ns)
+                self.read_bytes += done - start
             except OSError:
                 continue
             finally:
@@ -471,24 +521,25 @@ def load_recency(root: str) -> dict[bytes, int]:
     return RecencyIndex(root).refresh()
 
 
-def merge_records(data: bytes, into: dict[bytes, int] | None = None) -> dict[bytes, int]:
-    """Fold records into ``into``, ignoring a partial trailing record and impossible times.
+def merge_records(data: bytes, into: dict[bytes, int] | None = None, since_ns: int = 0) -> dict[bytes, int]:
+    """Fold records into ``into``, ignoring a partial trailing record, impossible times and times
+    before ``since_ns`` (a horizon).
 
     A time before 2020 or more than a day ahead is garbage (zero-filled blocks after a crash,
     a foreign file), not an access, and must not make a block look fresh forever.
     """
     latest = {} if into is None else into
-    hi = time.time_ns() + _FUTURE_SLACK_NS
+    lo, hi = max(_EPOCH_2020_NS, since_ns), time.time_ns() + _FUTURE_SLACK_NS
     usable = len(data) - len(data) % RECORD.size
     get = latest.get
     for key, ts in RECORD.iter_unpack(memoryview(data)[:usable]):
-        if _EPOCH_2020_NS <= ts <= hi and get(key, 0) < ts:
+        if lo <= ts <= hi and get(key, 0) < ts:
             latest[key] = ts
     return latest
 
 
 def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], older_than_s: float,
-                    now: float | None = None) -> int:
+                    now: float | None = None, *, dead_at_most: int | None = None) -> int:
     """Merge logs untouched for ``older_than_s`` into one archive log, keeping only live keys.
 
     ``live_keys`` is tested by ``in``: a set of every live key, or, for an evictor that does not
@@ -503,6 +554,10 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], ol
     so nothing it writes after the read is unlinked with it.  Readers merge the private file
     too until it is unlinked, and a fold that dies or fails (a full disk) before the unlink
     leaves it for the next fold to take.  Returns the number of logs folded.
+
+    ``dead_at_most``, when given, is how many keys ``live_keys`` leaves out at most (an evictor's
+    removals): with no log to fold and too few of them to make a quarter of the archive's records
+    (one per key), the archive would not be rewritten, so it is not read either.
     """
     d = owners_dir(root)
     now = time.time() if now is None else now
@@ -523,8 +578,13 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], ol
             continue
         taken.append(private)
     archive = os.path.join(d, ARCHIVE_NAME)
-    if not taken and not os.path.exists(archive):
-        return 0
+    if not taken:
+        try:
+            archived = min(os.stat(archive).st_size, MAX_READ_BYTES) // RECORD.size
+        except FileNotFoundError:
+            return 0
+        if dead_at_most is not None and dead_at_most < (1 - ARCHIVE_KEEP_FRACTION) * archived:
+            return 0
     latest = _merge_file(archive, {})
     for path in taken:
         _merge_file(path, latest)
@@ -589,10 +649,43 @@ def _capped_start(path: str, start: int, end: int) -> int:
     return start + skip
 
 
-def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int]) -> int:
-    """Fold the records in bytes ``[start, end)`` of ``fd`` into ``into``, :data:`READ_CHUNK_BYTES` at
-    a time; returns where reading stopped (``end``, or where the file now ends).  A chunk of zeros
-    (a hole, blocks zero-filled by a crash) holds no record and is not parsed."""
+def _first_since(fd: int, start: int, end: int, since_ns: int) -> tuple[int, int]:
+    """(where to read records ``[start, end)`` of a log from so as to miss none stamped after
+    ``since_ns`` + :data:`HORIZON_SLACK_NS`, records probed): a bisection, one record per pread.
+
+    A log is in time order within :data:`HORIZON_SLACK_NS` (records ``i < j`` have ``t_j >= t_i -
+    slack``): where a probe at ``m`` is older than ``since_ns``, every record up to ``m`` is older than
+    ``since_ns`` + slack, so reading starts past it.  The first record is probed first: a log compacted
+    by an earlier version starts with its compacted records newest first, so either it is recent
+    enough and the log is read whole, or all of them are older and the rest is in order.  A probe
+    that is not a time (a hole left by a crash, a clock beyond tolerance, a foreign file) ends the
+    search where it stands, reading more rather than missing anything.
+    """
+    size = RECORD.size
+    hi_ns = time.time_ns() + _FUTURE_SLACK_NS
+    lo, hi, probes = start, end, 0
+    mid = start
+    while lo < hi:
+        raw = os.pread(fd, size, mid)
+        probes += 1
+        if len(raw) < size:
+            return lo, probes
+        ts = RECORD.unpack(raw)[1]
+        if not _EPOCH_2020_NS <= ts <= hi_ns:
+            return lo, probes
+        if ts >= since_ns:
+            hi = mid
+        else:
+            lo = mid + size
+        mid = lo + (hi - lo) // size // 2 * size
+    return lo, probes
+
+
+def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int], since_ns: int = 0) -> int:
+    """Fold the records in bytes ``[start, end)`` of ``fd`` stamped at or after ``since_ns`` into
+    ``into``, :data:`READ_CHUNK_BYTES` at a time; returns where reading stopped (``end``, or where the
+    file now ends).  A chunk of zeros (a hole, blocks zero-filled by a crash) holds no record and is
+    not parsed."""
     pos = start
     while pos < end:
         chunk = os.pread(fd, min(READ_CHUNK_BYTES, end - pos), pos)
@@ -600,6 +693,6 @@ def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int]) -> int:
         if not usable:
             break
         if chunk.count(0) != len(chunk):
-            merge_records(chunk, into)
+            merge_records(chunk, into, since_ns)
         pos += usable
     return pos

@@ -14,10 +14,16 @@ Rules, and why:
 * A rebuild lists the directory once (``scandir``; the inode is in the directory entry) and keeps
   the data of every name whose inode the old summary recorded, lstat'ing only new names; it never
   opens a block (a block's mtime is its publication time).  One shard is in memory at a time.
-* Rebuilds are budgeted (:data:`LIST_BUDGET` names per run, oldest-built first); a summary older
-  than :data:`MAX_AGE_S` is rebuilt like a stale one, so a publication that landed while the
-  evictor itself unlinked in that shard (it then records the directory's new mtime) is seen
-  later.  Until rebuilt, a shard is used as its summary says: usage and order lag.
+* A missing summary is built in the run that finds it, whatever the budget: until then its shard
+  counts nothing, and a pool's usage must be right from its first run (``gds-kv gc`` must not
+  decide on an under-counted pool).  Rebuilds of stale ones are budgeted (:data:`LIST_BUDGET`
+  names per run, the missing ones' included, oldest-built first); a summary older than
+  :data:`MAX_AGE_S` is rebuilt like a stale one, so a publication that landed while the evictor
+  itself unlinked in that shard (it then records the directory's new mtime) is seen later.  Until
+  rebuilt, a shard is used as its summary says: usage and order lag.
+* An entry's recency folds in the newest access logged before its summary was built (the run that
+  builds it read the logs first), so a run needs only the access records since the oldest summary
+  it uses (:meth:`RootSummaries.oldest_built_ns`, :func:`~.recency.access_horizon`).
 * Only the holder of the pool's eviction lock writes summaries (whole, by rename; or the header
   alone, in place, after its own unlinks).  A reader that finds a header failing its magic,
   version, CRC or size takes the summary for missing.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -273,6 +280,12 @@ class RootSummaries:
     def live_fx(self) -> int:
         return sum(s.header.live_fx for s in self.shards if s.header is not None)
 
+    def oldest_built_ns(self) -> int:
+        """built_ns of the oldest summary of a shard whose directory is there; 0 when such a shard
+        has none (its first build needs every access ever logged)."""
+        built = [s.header.built_ns if s.header is not None else 0 for s in self.shards if s.dir_id is not None]
+        return min(built, default=time.time_ns())
+
     def live_fx_by_fp(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for s in self.shards:
@@ -311,8 +324,9 @@ def needs_rebuild(shard: Shard, now_ns: int) -> bool:
 
 def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], now: float, *,
             write: bool, budget: int | None = LIST_BUDGET) -> dict[int, Refresh]:
-    """Rebuild the shards of ``roots`` that are missing, stale or too old, oldest-built first,
-    until ``budget`` names have been listed (at least one shard; None: all of them).  ``access[i]``
+    """Build every missing summary of ``roots``, then rebuild those stale or too old, oldest-built
+    first, while fewer than ``budget`` names have been listed (at least one shard; None: all of
+    them).  ``access[i]``
     is root i's newest logged access per key, folded into the recency of the entries.  With
     ``write`` off (a dry run) summaries are rebuilt in memory only and no file is removed.
     Returns what was done, by root index."""
@@ -322,8 +336,8 @@ def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], 
     todo.sort(key=lambda s: s.header.built_ns if s.header is not None else -1)
     listed = 0
     for shard in todo:
-        if budget is not None and listed >= budget:
-            break
+        if budget is not None and listed >= budget and shard.header is not None:
+            break  # missing ones come first (built_ns -1), and are all built
         r = out[shard.root]
         n = rebuild(shard, access[shard.root], now, write, r)
         listed += n

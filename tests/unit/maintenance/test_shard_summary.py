@@ -150,21 +150,26 @@ def test_a_rebuild_keeps_known_names_without_looking_at_them_again(tmp_path):
     assert [e[ss.E_KEY] for e in sorted(entries.values(), key=lambda e: e[1])][0] == new
 
 
-def test_rebuilds_stay_within_their_budget_oldest_built_first(tmp_path):
+def test_missing_summaries_are_all_built_stale_ones_within_the_budget_oldest_built_first(tmp_path):
     pool = make_pool(tmp_path)
     for sub in range(12):
         for i in range(10):
             put(pool, bytes([sub, i]) + bytes(30))
-    first = build(tmp_path, budget=25)
-    assert (first.rebuilt, first.listed, first.stale) == (3, 30, 9)
-    built = {s.sub for s in shards_of(tmp_path).shards if s.current}
-    for s in shards_of(tmp_path).shards:  # make the built ones stale: they must wait for the missing
-        if s.sub in built:
-            put(pool, bytes([int(s.sub, 16), 99]) + bytes(30))
-    second = build(tmp_path, budget=25)
-    assert second.rebuilt == 3
-    now_current = {s.sub for s in shards_of(tmp_path).shards if s.current}
-    assert not now_current & built and len(now_current) == 3
+    first = build(tmp_path, budget=25)  # every summary missing: all built, whatever the budget
+    assert (first.rebuilt, first.listed, first.stale) == (12, 120, 0)
+
+    def make_stale(subs: range) -> None:
+        for sub in subs:
+            put(pool, bytes([sub, 99 - len(os.listdir(os.path.dirname(pool.path_for(bytes([sub]) * 32))))])
+                + bytes(30))
+
+    make_stale(range(6, 12))
+    ss.refresh([shards_of(tmp_path)], [{}], NOW + 1, write=True, budget=None)  # 6..11 built later
+    make_stale(range(12))
+    second = ss.refresh([shards_of(tmp_path)], [{}], NOW + 2, write=True, budget=25)[0]
+    assert (second.rebuilt, second.stale) == (3, 9)  # 11 names a shard: the third passes the budget
+    now_current = {int(s.sub, 16) for s in shards_of(tmp_path).shards if s.current}
+    assert len(now_current) == 3 and now_current < set(range(6))  # the oldest-built first
     assert build(tmp_path, budget=None).stale == 0
 
 
