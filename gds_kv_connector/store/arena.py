@@ -84,7 +84,7 @@ import numpy as np
 
 from gds_kv_connector.format import native
 from gds_kv_connector.util.atomic_file import still_named
-from gds_kv_connector.util.mounts import fs_type
+from gds_kv_connector.util.mounts import fs_type, is_shared_fs
 from gds_kv_connector.format.layout import (SLAB_SUFFIX, SLABS_DIR, slab_host_is_this, slab_of_tmp_name, slab_tag,
                                             slab_tmp_name)
 from gds_kv_connector.format.records import HEADER_SIZE, PAGE, FormatError, SlotRef, check_slab_name, parse_header
@@ -106,10 +106,6 @@ SWEEP_SLABS = 64
 RELEASE_GRACE_S = 120.0
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 HOST_FS_TYPES = ("tmpfs", "ramfs", "hugetlbfs")
-# Filesystems whose clients on other nodes cache file data of their own: a slab another node rewrites
-# is read back stale there (fuse.* covers GlusterFS, sshfs, JuiceFS and other FUSE clients)
-SHARED_FS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "wekafs",
-                   "9p", "afs", "orangefs", "panfs")
 # SlotRef fields read by C iterators (map) in the per-batch bookkeeping, not by Python loops
 _KEY, _CREATED = operator.attrgetter("key"), operator.attrgetter("created_ns")
 _SLAB, _SLOT = operator.attrgetter("slab"), operator.attrgetter("slot")
@@ -901,8 +897,9 @@ def start_arena(pool: BlockPool, mapper: HostMapper, settings: Settings) -> Slot
     """The worker's arena, its slab kind chosen by :func:`maps_slabs`; slabs are mapped only where
     the C extension guards mappings (native.GUARDS): a truncated slab must not kill the process.
     Raises ArenaError (one line) when its slabs do not fit."""
+    # another node's client caches file data of its own: a slab it rewrites is read back stale here
     kind = fs_type(pool.roots[0])
-    if (kind in SHARED_FS_TYPES or kind.startswith("fuse")) and not settings.arena_on_shared_fs:
+    if is_shared_fs(pool.roots[0]) and not settings.arena_on_shared_fs:
         raise ArenaError(f"TLLM_GDS_KV_ARENA_BYTES on {pool.roots[0]} ({kind}): another node's client would read "
                          "slots through its own page cache and fail promised loads; leave the arena off on a "
                          "shared filesystem, or set TLLM_GDS_KV_ARENA_ON_SHARED_FS=true where its clients keep no "

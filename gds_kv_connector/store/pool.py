@@ -567,9 +567,14 @@ class BlockPool:
         return parse_header(bytes(raw), fingerprint=self.fingerprint, key=pin.key, payload_len=self.payload_len)
 
     def unpin(self, pin: Pin) -> None:
+        """Close the pin's descriptor.  A close that fails (ESTALE from a shared filesystem whose file
+        another node removed) released the descriptor all the same, and a read-only one has nothing
+        to flush: it is logged, never raised, so it cannot turn a load's outcome into a failure."""
         if pin.fd >= 0:
             try:
                 self.ops.close(pin.fd)
+            except OSError as exc:
+                log.debug("closing %s: %s", self.path_for(pin.key), exc)
             finally:
                 pin.fd = -1
 

@@ -1,10 +1,16 @@
-"""Which mount holds a path, from /proc/mounts: the doctor reports it, the arena requires tmpfs."""
+"""Which mount holds a path, from /proc/mounts: the doctor reports it, the arena requires tmpfs, and a
+pool on a shared filesystem checks its hits through the server (:func:`is_shared_fs`)."""
 
 from __future__ import annotations
 
 import os
 import re
 from typing import Any
+
+# Filesystems whose clients cache names, attributes or data of their own, so that one node can see a file
+# another node already changed or removed (fuse.* covers GlusterFS, sshfs, JuiceFS and other FUSE clients)
+SHARED_FS_TYPES = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "glusterfs", "beegfs", "wekafs",
+                   "9p", "afs", "orangefs", "panfs")
 
 
 def mount_of(path: str) -> dict[str, Any]:
@@ -33,6 +39,12 @@ def mount_of(path: str) -> dict[str, Any]:
 def fs_type(path: str) -> str:
     """Filesystem type of the mount holding ``path`` ("unknown" when /proc/mounts is unreadable)."""
     return mount_of(path)["fs_type"]
+
+
+def is_shared_fs(path: str) -> bool:
+    """Whether ``path`` lies on a filesystem of :data:`SHARED_FS_TYPES` or a FUSE client."""
+    kind = fs_type(path)
+    return kind in SHARED_FS_TYPES or kind.startswith("fuse")
 
 
 def _unescape(field: str) -> str:
