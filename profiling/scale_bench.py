@@ -317,7 +317,10 @@ def removal_params(meta: scale_pool.PoolMeta) -> dict[str, Any]:
     return {"quota": quota, "low_watermark": (usage - meta.target * meta.file_size) / quota}
 
 
-def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Callable[[str], None],
+               save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Build (or reuse) the pool of ``blocks`` blocks and run every pass over it; ``save`` gets the size's
+    results after each operation, so a run stopped midway keeps what it measured."""
     meta = scale_pool.load_meta(directory) if args.reuse else None
     if meta is not None and meta.blocks != blocks:
         meta = None
@@ -351,6 +354,7 @@ def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Calla
                 t0 = time.monotonic()
                 n = scale_pool.restore(meta)
                 size["restores"].append({"after": f"{op} ({label})", "blocks": n, "s": round(time.monotonic() - t0, 2)})
+            save(size)
     return size
 
 
@@ -469,14 +473,16 @@ def main(argv: list[str] | None = None) -> int:
         args.strace = False
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     report: dict[str, Any] = {"argv": sys.argv[1:], "commit": _commit(), "cpus": os.cpu_count(), "sizes": []}
-    for blocks in sizes:
-        directory = os.path.join(args.dir, _label(blocks))
-        report["sizes"].append(bench_size(directory, blocks, args, log))
-        if not (args.keep or args.reuse):
-            shutil.rmtree(directory, ignore_errors=True)
+    def save(size: dict[str, Any]) -> None:
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
+                json.dump(report | {"sizes": [*report["sizes"], size]}, fh, indent=1)
+
+    for blocks in sizes:
+        directory = os.path.join(args.dir, _label(blocks))
+        report["sizes"].append(bench_size(directory, blocks, args, log, save))
+        if not (args.keep or args.reuse):
+            shutil.rmtree(directory, ignore_errors=True)
     print(f"commit: {report['commit']}")
     print(table(report["sizes"]))
     return 0
