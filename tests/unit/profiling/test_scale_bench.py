@@ -47,9 +47,10 @@ def test_every_operation_on_a_valid_pool(tmp_path):
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 def test_strace_pass_counts_file_system_calls(tmp_path):
-    size = _bench(tmp_path, "--ops", "stats,gc_dry_run")
+    size = _bench(tmp_path, "--ops", "stats,evict")
     traced = {r["op"]: r for r in size["runs"] if r["cache"] == "strace"}
-    assert traced["stats"]["fs_calls"]["stat"] >= BLOCKS  # one lstat per block name at least
-    assert traced["gc_dry_run"]["fs_calls"]["open"] >= BLOCKS  # the planner reads every header
+    assert traced["stats"]["fs_calls"]["stat"] > 0
+    # every block a pass removes is one unlink (on a local filesystem), whatever it does to choose them
+    assert traced["evict"]["fs_calls"]["unlink"] >= traced["evict"]["detail"]["evicted_blocks"] > 0
     assert traced["stats"]["nfs_1ms_s"] == pytest.approx(traced["stats"]["fs_ops"] / 1000, abs=0.1)
     assert not os.path.exists(tmp_path / "pools" / "10k")  # not kept: removed once measured
