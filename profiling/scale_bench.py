@@ -7,6 +7,8 @@ For each size it builds a pool of valid blocks (profiling/scale_pool.py: chains 
 times over hours, several owners' access logs) and runs, each in a fresh process through the public entry
 points, whatever the tree holds when it runs:
 
+  summaries    an eviction run without a budget: it builds the shard summaries that are missing or stale
+               (all of them on a pool just built, which is what later runs and ``gds-kv stats`` read)
   stats        ``gds-kv stats``
   gc_dry_run   ``gds-kv gc --dry-run --quota Q`` (Q and the low watermark set so that a pass frees ``target``
                blocks, 10,000 or a tenth of a smaller pool)
@@ -52,7 +54,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_pool  # noqa: E402  (a sibling file, not a package)
 
-OPS = ("stats", "gc_dry_run", "verify", "startup", "match", "gc_max_age", "gc_quota", "evict")
+OPS = ("summaries", "stats", "gc_dry_run", "verify", "startup", "match", "gc_max_age", "gc_quota", "evict")
 DESTRUCTIVE = {"gc_max_age", "gc_quota", "evict"}
 SYSCALL_GROUPS = {
     "stat": {"stat", "lstat", "fstat", "newfstatat", "statx", "fstatat64", "stat64", "lstat64", "fstat64"},
@@ -113,6 +115,13 @@ def _prepare(op: str, meta: scale_pool.PoolMeta, params: dict[str, Any]) -> Call
             matched, is_async = sched.get_num_new_matched_tokens(req, 0)
             return {"matched_blocks": matched // scale_pool.TOKENS_PER_BLOCK, "async": bool(is_async)}
         return _then(match, w.shutdown)
+    if op == "summaries":
+        from gds_kv_connector.maintenance.eviction import DEFAULT_GRACE_S, evict_pool
+
+        def summaries() -> dict[str, Any]:
+            (report,) = evict_pool([root], 0, 0.9, 0, DEFAULT_GRACE_S)  # no budget: lists and summarises only
+            return {"names_listed": report.names_listed, "summaries_stale": report.summaries_stale}
+        return summaries
     if op == "evict":
         from gds_kv_connector.maintenance.eviction import DEFAULT_GRACE_S, evict_pool
 

@@ -30,7 +30,9 @@ def _bench(tmp_path, *args: str) -> dict:
 def test_every_operation_on_a_valid_pool(tmp_path):
     size = _bench(tmp_path, "--no-strace")
     runs = {r["op"]: r for r in size["runs"]}
-    assert set(runs) == {"stats", "gc_dry_run", "verify", "startup", "match", "gc_max_age", "gc_quota", "evict"}
+    assert set(runs) == {"summaries", "stats", "gc_dry_run", "verify", "startup", "match", "gc_max_age", "gc_quota",
+                         "evict"}
+    assert runs["summaries"]["detail"]["names_listed"] >= BLOCKS and runs["summaries"]["detail"]["summaries_stale"] == 0
     for r in runs.values():
         assert "error" not in r, r
         assert not r["timed_out"] and r["seconds"] >= 0 and r["peak_rss_mb"] > 0
