@@ -17,6 +17,12 @@ BLOCK_SUFFIX = ".blk"
 SLABS_DIR = "slabs"
 SLAB_SUFFIX = ".slab"
 SLAB_TMP_SUFFIX = ".tmp"  # a slab being created: "." + its name + this, renamed once locked and sized
+# In each fingerprint directory on a shared filesystem: blocks an evictor took out of the lookup path, kept
+# under their own names until no client's cache can still show them at their key's name
+EVICTED_DIR = "evicted"
+# How long: twice the longest a client cache shows a name as it was (NFS acdirmax and acregmax, 60 s by
+# default; GlusterFS and FUSE about a second), so a load promised from a cached lookup finds its block
+EVICTED_KEEP_S = 120.0
 
 
 def quarantine_name(key_hex: str, reason: str, now_ns: int | None = None) -> str:
@@ -24,6 +30,12 @@ def quarantine_name(key_hex: str, reason: str, now_ns: int | None = None) -> str
     publication mtime; the random part keeps two quarantines of one key in one tick apart."""
     tag = "".join(c if c.isalnum() else "_" for c in reason)[:40]
     return f"{key_hex}.{now_ns or time.time_ns()}.{secrets.token_hex(2)}.{tag}"
+
+
+def evicted_path(fp_dir: str, key: bytes) -> str:
+    """Where an evictor on a shared filesystem keeps ``key``'s block of the fingerprint directory
+    ``fp_dir`` until :data:`EVICTED_KEEP_S` has passed."""
+    return f"{fp_dir}/{EVICTED_DIR}/{key.hex()}{BLOCK_SUFFIX}"
 
 
 def slab_tag() -> str:

@@ -57,7 +57,8 @@ from typing import Callable
 
 from gds_kv_connector.util.atomic_file import TMP_MARK, WRITER_SUFFIX, dead_writers, mark_held, tmp_writer
 from gds_kv_connector.util.host import HOST, HOST_TAG, pid_alive
-from gds_kv_connector.format.layout import BLOCK_SUFFIX
+from gds_kv_connector.format.layout import BLOCK_SUFFIX, EVICTED_DIR, EVICTED_KEEP_S, evicted_path
+from gds_kv_connector.util.mounts import is_shared_fs
 from gds_kv_connector.format.records import ZERO_KEY, BlockHeader, FormatError, is_ref_size
 from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, RefFile, fingerprint_dirs, layout_dir,
                                                     mkdir_like_parent, open_regular, owners_dir, quarantine_dir,
@@ -115,6 +116,7 @@ class EvictionReport:
     summaries_stale: int = 0  # shards whose summary is stale or missing after this run: usage lags
     tmp_removed: int = 0
     quarantine_removed: int = 0
+    evicted_kept_removed: int = 0  # blocks an evictor kept on a shared filesystem, removed once old enough
     logs_folded: int = 0
     log_bytes_skipped: int = 0  # of access logs over the read cap (recency.MAX_READ_BYTES), not read
     duration_s: float = 0.0
@@ -375,7 +377,8 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
         if any(report.target_bytes for report in reports):
             planner = _Planner(roots, [sh for s in sums.values() for sh in s.shards], reports, header_cache,
                                now_ns, access, min_age_ns, hold_ns)
-            planner.run(ref_budget, None if dry_run else _Fresh(indexes, now_ns - hold_ns, now_ns))
+            planner.run(ref_budget, None if dry_run else _Fresh(indexes, now_ns - hold_ns, now_ns,
+                                                                      [is_shared_fs(r) for r in roots]))
             if not dry_run:
                 planner.update_summaries()
             for i in sums:
@@ -391,6 +394,7 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             for i in sums:
                 report, root = reports[i], roots[i]
                 report.quarantine_removed = _expire_quarantine(root, now)
+                report.evicted_kept_removed = _expire_evicted(root, now)
                 _tidy_owners(root, now)
                 if not blind:  # a fold drops the records of the blocks this run removed
                     gone = planner.removed_keys.get(i, set()) if planner is not None else set()
@@ -860,7 +864,7 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget:
         if fresh is not None and fresh.promised(n):
             report.protected_blocks += 1
             continue
-        if not (fresh is None or _unlink_if_same(n.block, ref=n.ref)):
+        if not (fresh is None or _remove_if_same(n.block, n.ref, fresh.keeps[n.root])):
             report.failed += 1
             continue
         removed.add(path)
@@ -886,8 +890,9 @@ class _Fresh:
     while it unlinks: a block promised meanwhile (the plan took it for old) stays, and so do its
     ancestors, which then never become leaves."""
 
-    def __init__(self, indexes: Sequence[RecencyIndex], held_ns: int, now_ns: int) -> None:
+    def __init__(self, indexes: Sequence[RecencyIndex], held_ns: int, now_ns: int, keeps: Sequence[bool]) -> None:
         self._indexes, self._held_ns = indexes, held_ns
+        self.keeps = keeps  # per root: on a shared filesystem, removed blocks are kept a while (_remove_if_same)
         self._latest = now_ns + FUTURE_TOLERANCE_NS  # beyond it a time is a bad clock's, as in the plan
         self._due = 0.0  # read at the first unlink: the plan read them before it planned
 
@@ -899,21 +904,56 @@ class _Fresh:
         return self._held_ns < self._indexes[n.root].latest.get(n.block.key, 0) <= self._latest
 
 
-def _unlink_if_same(block: BlockFile, ref: bool = False) -> bool:
-    """Unlink the scanned file, not one republished under its name since the scan.  A reference file
+def _remove_if_same(block: BlockFile, ref: bool, keep: bool) -> bool:
+    """Remove the scanned file, not one republished under its name since the scan.  A reference file
     (``ref``) is known by inode, mtime and size: removing another of its names, another key of its
-    save batch, changes the ctime that this one shows too."""
+    save batch, changes the ctime that this one shows too.
+
+    With ``keep`` (a root on a shared filesystem) the file is renamed into its fingerprint directory's
+    :data:`~gds_kv_connector.format.layout.EVICTED_DIR` instead, and unlinked by a later run once
+    :data:`~gds_kv_connector.format.layout.EVICTED_KEEP_S` has passed (:func:`_expire_evicted`): another
+    node's client may still show the name from its caches, its owner may have promised the block from
+    that, and its load then finds the block there (BlockPool._open_block) instead of failing the process.
+    """
     try:
         st = os.stat(block.path, follow_symlinks=False)
         if not (block.same_reference(st) if ref else block.same_file(st)):
             return False
-        os.unlink(block.path)
+        if not keep:
+            os.unlink(block.path)
+            return True
+        dest = evicted_path(os.path.dirname(os.path.dirname(block.path)), block.key)
+        try:
+            os.rename(block.path, dest)
+        except FileNotFoundError:
+            if os.path.isdir(os.path.dirname(dest)):
+                raise  # the block went meanwhile
+            mkdir_like_parent(os.path.dirname(dest))
+            os.rename(block.path, dest)
     except FileNotFoundError:
         return True  # another evictor (lock fallback race) or an operator got there first
     except OSError as exc:
         log.warning("cannot evict %s: %s", block.path, exc)
         return False
     return True
+
+
+def _expire_evicted(root: str, now: float) -> int:
+    """Unlink the blocks :func:`_remove_if_same` kept in each fingerprint's evicted directory once
+    :data:`~gds_kv_connector.format.layout.EVICTED_KEEP_S` old, by their ctime (set by the rename that
+    put them there); returns how many.  Only runs on a shared filesystem make such directories."""
+    removed = 0
+    base = layout_dir(root)
+    for fp in fingerprint_dirs(root):
+        d = os.path.join(base, fp, EVICTED_DIR)
+        for name in _listdir(d):
+            path = os.path.join(d, name)
+            try:
+                if now - os.lstat(path).st_ctime > EVICTED_KEEP_S and _unlink_quiet(path):
+                    removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _expire_quarantine(root: str, now: float) -> int:

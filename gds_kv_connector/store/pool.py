@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from gds_kv_connector.engines.fileops import FileOps, read_exact, write_all
 from gds_kv_connector.format.trust import why_untrusted
-from gds_kv_connector.format.layout import BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX, quarantine_name
+from gds_kv_connector.format.layout import (BLOCK_SUFFIX, LAYOUT_DIR, OWNERS_DIR, QUARANTINE_DIR, TMP_PREFIX,
+                                            evicted_path, quarantine_name)
 from gds_kv_connector.format.keys import chain_from_tokens
 from gds_kv_connector.util.host import HOST_TAG, parse_pid, pid_alive
+from gds_kv_connector.util.mounts import is_shared_fs
 from gds_kv_connector.format.records import (MAX_REF_ENTRIES, PAGE, REF_MAGIC, BlockHeader, FormatError,
                           SlotRef, file_size_for, is_ref_size, pack_refs, parse_header, parse_refs)
 
@@ -167,6 +169,8 @@ class BlockPool:
         # with when to look again (an operator may fix the directory while this owner serves)
         self._trusted_dirs: set[int] = set()
         self._untrusted_dirs: dict[int, float] = {}
+        # where evictors keep what they remove for a while, and loads look for it (:meth:`_open_block`)
+        self.keeps_evicted = any(map(is_shared_fs, self.roots))
         for root, fp_dir in zip(self.roots, self.fp_dirs):
             self._check_root(root)
             self.makedirs(fp_dir)
@@ -405,7 +409,7 @@ class BlockPool:
                     self.arena.remember(ref)
                     return Pin(key, d, -1, st.st_ino, ref)
         try:
-            fd = self.ops.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = self._open_block(key, path)
         except OSError as exc:
             if exc.errno in FILE_FAULT_ERRNOS:
                 self.quarantine(key, f"open {errno.errorcode[exc.errno]}")
@@ -453,6 +457,30 @@ class BlockPool:
             self.arena.remember(ref)
             return Pin(key, d, -1, st.st_ino, ref)
         return Pin(key, d, fd, st.st_ino)
+
+    def _open_block(self, key: bytes, path: str) -> int:
+        """Open the block at ``path``; on a shared filesystem, a block its evictor just took out of the
+        lookup path is opened where it keeps it (:data:`EVICTED_DIR`), and the name's error is raised
+        only when it is not there either.
+
+        A client of a shared filesystem answers a match's stats from its name and attribute caches
+        (GlusterFS and FUSE about a second, NFS up to a minute), so an owner can promise a block
+        another node's evictor removed within that time; its load would fail at this open (ENOENT
+        after a fresh lookup, ESTALE through a cached handle) and the failure of a promised load
+        fails the process.  Evictors on such a filesystem therefore rename a block into the evicted
+        directory and remove it only after :data:`EVICTED_KEEP_S`: a cached handle still opens the
+        same inode, and a fresh lookup finds the block here.  A file met here is checked like one at
+        its name (its size, its writer, then its header and checksum as it loads)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        try:
+            return self.ops.open(path, flags)
+        except OSError as exc:
+            if not self.keeps_evicted or exc.errno not in (errno.ENOENT, errno.ESTALE):
+                raise
+            try:
+                return self.ops.open(evicted_path(self.fp_dirs[self.root_of(key)], key), flags)
+            except OSError:
+                raise exc from None
 
     def _peek_magic(self, fd: int) -> bytes:
         raw = bytearray(8)

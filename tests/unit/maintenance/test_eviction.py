@@ -335,7 +335,7 @@ def record_calls(monkeypatch, name: str) -> list[bytes]:
 
 
 def record_unlinks(monkeypatch) -> list[bytes]:
-    return record_calls(monkeypatch, "_unlink_if_same")
+    return record_calls(monkeypatch, "_remove_if_same")
 
 
 def split_chains(tmp_path) -> tuple[list[str], bytes, bytes, bytes, bytes]:

@@ -155,16 +155,16 @@ def test_a_promise_written_while_gc_unlinks_keeps_its_blocks(tmp_path, monkeypat
     pool = BlockPool((root,), FP, PAYLOAD, 4, geometry_note="promises")
     cold = put_chain(pool, 0x01, 2, HOUR_AGO_NS - 10**9)  # older: unlinked first
     promised = put_chain(pool, 0x02, 4, HOUR_AGO_NS)
-    real_unlink = eviction._unlink_if_same
+    real_unlink = eviction._remove_if_same
     owners: list[Owner] = []
 
-    def unlink_then_promise(block, ref=False):
-        done = real_unlink(block, ref)
+    def unlink_then_promise(block, ref, keep):
+        done = real_unlink(block, ref, keep)
         if not owners:
             owners.append(Owner(root, promised))  # starts, matches and promises: over a second
         return done
 
-    monkeypatch.setattr(eviction, "_unlink_if_same", unlink_then_promise)
+    monkeypatch.setattr(eviction, "_remove_if_same", unlink_then_promise)
     result = gc(root, 0, 0.9, max_age_s=60)
     loaded, vanished = owners[0].load()
     print(f"gc removed {result['evicted_blocks']} of {len(cold) + len(promised)} planned; "
