@@ -37,7 +37,7 @@ from gds_kv_connector.util.atomic_file import WriterMark
 from gds_kv_connector.maintenance.evict_process import EvictChildFailed, evict_in_child
 from gds_kv_connector.maintenance.eviction import EvictionReport, HeaderCache, evict_pool, remove_dead_writers_tmp
 from gds_kv_connector.maintenance.pool_scan import owners_dir
-from gds_kv_connector.maintenance.recency import RecencyIndex, RecencyLog
+from gds_kv_connector.maintenance.recency import HORIZON_SLACK_NS, RecencyIndex, RecencyLog
 from gds_kv_connector.config.settings import SPECS, Settings
 from gds_kv_connector.util.counters import Stats
 
@@ -50,6 +50,7 @@ MIN_FREE_SLICE_FRACTION = 0.25  # of min_free_bytes, when there is no quota
 CLOCK_SLACK_S = 2.0  # how far two nodes' clocks may differ: an index's window is timed on its owner's
 RUNNERS = ("process", "thread")
 CANCEL_WAIT_S = 10.0  # after close() kills a child run, for its waiting thread to return
+HORIZON_STEP_NS = 60 * 10**9  # PromisedKeys moves its indexes' horizon (access_horizon) in steps of this
 EVICT_TIME_LIMIT_S = next(spec.default for spec in SPECS if spec.name == "evict_time_limit_s")
 
 
@@ -260,6 +261,12 @@ class PromisedKeys:
     def __call__(self, keys: list[bytes]) -> list[bool]:
         cutoff = time.time_ns() - self._grace_ns
         with self._lock:
+            # only accesses within the grace matter here: older records are neither read nor kept, so the
+            # indexes follow the access rate, not the pool; moved in steps, since a move copies the keys kept
+            horizon = cutoff - HORIZON_SLACK_NS
+            for index in self._indexes:
+                if horizon - index.horizon_ns >= HORIZON_STEP_NS:
+                    index.set_horizon(horizon)
             latest = [index.refresh() for index in self._indexes]
         root_of = self._root_of
         return [latest[root_of(k)].get(k, 0) >= cutoff for k in keys]
