@@ -366,7 +366,7 @@ def _run(roots: tuple[str, ...], now: float | None, dry_run: bool, header_cache:
             report, tally = reports[i], tallies[i]
             report.scanned_blocks, report.scanned_bytes = s.live_count, usage[i]
             report.unreadable_entries, report.tmp_removed = tally.unreadable, tally.tmp_removed
-            report.names_listed, report.summaries_stale = tally.listed, tally.stale
+            report.names_listed, report.summaries_stale = tally.listed + tally.counted, tally.stale
             report.free_bytes = _free_bytes(roots[i])
             by_quota, by_space = plan(report, report.free_bytes)
             report.target_bytes = max(0, by_quota, int(by_space * space_share[i]))

@@ -159,6 +159,21 @@ class Shard:
     ino: int = 0  # the summary file's inode, when read from a file
     data: bytes | None = None  # a summary rebuilt but not written (a dry run): read from here
     fresh: bool = False  # rebuilt by this run
+    # a stale shard this run did not rebuild: its block names counted by a listing, and their bytes (in
+    # 1/FX_ONE) estimated at its summary's mean, so that usage does not lag behind what writers added
+    counted: tuple[int, int] | None = None
+
+    @property
+    def live_count(self) -> int:
+        if self.counted is not None:
+            return self.counted[0]
+        return self.header.live_count if self.header is not None else 0
+
+    @property
+    def live_fx(self) -> int:
+        if self.counted is not None:
+            return self.counted[1]
+        return self.header.live_fx if self.header is not None else 0
 
     @property
     def current(self) -> bool:
@@ -211,6 +226,8 @@ class Shard:
             h.start += 1
         h.live_count = max(0, h.live_count - removed)
         h.live_fx = max(0, h.live_fx - removed_fx)
+        if self.counted is not None:
+            self.counted = (max(0, self.counted[0] - removed), max(0, self.counted[1] - removed_fx))
         if was_current:
             self.dir_id = _dir_id(self.dir)
             if self.dir_id is not None:
@@ -236,6 +253,7 @@ class Refresh:
     rebuilt: int = 0  # shards
     lstats: int = 0  # names lstat'ed (new since the old summary)
     tmp_removed: int = 0
+    counted: int = 0  # names listed to count the stale shards not rebuilt (Shard.counted)
     unreadable: int = 0  # directories or entries that could not be read
     stale: int = 0  # shards left stale or missing after the run
 
@@ -274,11 +292,11 @@ class RootSummaries:
 
     @property
     def live_count(self) -> int:
-        return sum(s.header.live_count for s in self.shards if s.header is not None)
+        return sum(s.live_count for s in self.shards)
 
     @property
     def live_fx(self) -> int:
-        return sum(s.header.live_fx for s in self.shards if s.header is not None)
+        return sum(s.live_fx for s in self.shards)
 
     def oldest_built_ns(self) -> int:
         """built_ns of the oldest summary of a shard whose directory is there; 0 when such a shard
@@ -290,7 +308,7 @@ class RootSummaries:
         out: dict[str, int] = {}
         for s in self.shards:
             if s.header is not None:
-                out[s.fp] = out.get(s.fp, 0) + s.header.live_fx
+                out[s.fp] = out.get(s.fp, 0) + s.live_fx
         return out
 
     def remove_orphans(self, now: float) -> None:
@@ -343,11 +361,42 @@ def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], 
         listed += n
         r.listed += n
     for r in roots:
+        mean = _mean_fx(r.shards)
+        for shard in r.shards:
+            if shard.header is not None and shard.dir_id is not None and not shard.current:
+                out[r.index].counted += _count(shard, mean)
+    for r in roots:
         if write:
             r.remove_orphans(now)
         out[r.index].unreadable += r.unreadable
         out[r.index].stale = sum(not s.current for s in r.shards)
     return out
+
+
+def _mean_fx(shards: Sequence[Shard]) -> int:
+    """Bytes (in 1/FX_ONE) per live name over the summaries of one root: a counted shard's estimate
+    where its own summary holds none."""
+    count = sum(s.header.live_count for s in shards if s.header is not None)
+    return sum(s.header.live_fx for s in shards if s.header is not None) // count if count else 0
+
+
+def _count(shard: Shard, mean_fx: int) -> int:
+    """Count the block names of a stale shard that is not rebuilt (``Shard.counted``): one listing of
+    names, nothing lstat'ed, its bytes estimated at its summary's mean size (the root's when it has
+    none), which is what every block file of a fingerprint has.  Returns the names listed."""
+    try:
+        names = os.listdir(shard.dir)
+    except OSError:
+        return 0
+    n = sum(map(_is_block_name, names))
+    h = shard.header
+    per = h.live_fx // h.live_count if h.live_count else mean_fx
+    shard.counted = (n, n * per)
+    return len(names)
+
+
+def _is_block_name(name: str) -> bool:
+    return name.endswith(BLOCK_SUFFIX) and not name.startswith(TMP_PREFIX)
 
 
 def rebuild(shard: Shard, access: dict[bytes, int], now: float, write: bool, tally: Refresh) -> int:

@@ -250,7 +250,8 @@ def test_the_first_pass_builds_every_summary_whatever_the_listing_budget(tmp_pat
     for sub in range(12):  # every shard stale now: those keep the budget
         put(pool, bytes([sub, 99]) + bytes(30), T_NS - 3000 * S)
     report = build_pass(tmp_path, now=T + 1)
-    assert report.names_listed == 11 and report.summaries_stale == 11
+    # one shard rebuilt (11 names), the other 11 stale ones only counted (11 names each), all in the usage
+    assert report.names_listed == 11 + 11 * 11 and report.summaries_stale == 11 and report.scanned_blocks == 132
 
 
 def test_a_fold_with_nothing_to_take_reads_the_archive_only_when_removals_may_matter(tmp_path, monkeypatch):

@@ -173,6 +173,25 @@ def test_missing_summaries_are_all_built_stale_ones_within_the_budget_oldest_bui
     assert build(tmp_path, budget=None).stale == 0
 
 
+def test_stale_shards_past_the_budget_are_counted_so_usage_does_not_lag(tmp_path):
+    """What writers added to shards a run does not rebuild still counts: their names are listed and
+    counted (nothing lstat'ed), each at its summary's mean size, which is what a fingerprint's block
+    files all have; a quota is then held against the pool as it is, not as it was summarised."""
+    pool = make_pool(tmp_path)
+    for sub in range(12):
+        for i in range(10):
+            put(pool, bytes([sub, i]) + bytes(30))
+    build(tmp_path)
+    for sub in range(12):
+        put(pool, bytes([sub, 50]) + bytes(30))
+    sums = shards_of(tmp_path)
+    assert sums.live_count == 120  # as summarised
+    tally = ss.refresh([sums], [{}], NOW + 1, write=True, budget=1)[0]
+    assert tally.rebuilt == 1 and tally.stale == 11 and tally.counted >= 11 * 11
+    assert sums.live_count == 132
+    assert sums.live_fx == 132 * sums.shards[0].header.live_fx // sums.shards[0].header.live_count
+
+
 def test_a_shard_listing_removes_stale_temporary_files(tmp_path):
     pool = make_pool(tmp_path)
     k = bytes([0x5A]) * 32
