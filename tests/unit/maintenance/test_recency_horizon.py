@@ -9,7 +9,6 @@ import os
 import random
 import time
 
-from gds_kv_connector.format.records import ZERO_KEY, BlockHeader
 from gds_kv_connector.maintenance import eviction, recency
 from gds_kv_connector.maintenance import shard_summary as ss
 from gds_kv_connector.maintenance.eviction import evict, expire
@@ -24,29 +23,13 @@ from gds_kv_connector.maintenance.recency import (
     fold_stale_logs,
 )
 from gds_kv_connector.store.pool import BlockPool
+from tests.support.sparse_pool import FILE, make_pool, put
 
-PAYLOAD = 4096
-FILE = 8192
 S = 10**9
 T = float(int(time.time()) - 3600)  # the first pass's "now"; later passes run up to an hour after it
 T_NS = int(T * S)
 
 
-def make_pool(root) -> BlockPool:
-    return BlockPool((str(root),), b"\x22" * 32, PAYLOAD, 4, geometry_note="test")
-
-
-def put(pool: BlockPool, k: bytes, t_ns: int) -> None:
-    """A block file written directly (sparse payload), created and published at ``t_ns``."""
-    path = pool.path_for(k)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, BlockHeader(pool.fingerprint, k, PAYLOAD, 0, 1, 4, t_ns, ZERO_KEY).pack())
-        os.ftruncate(fd, FILE)
-    finally:
-        os.close(fd)
-    os.utime(path, ns=(t_ns, t_ns))
 
 
 def key(i: int) -> bytes:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gds_kv_connector.format.records import ZERO_KEY, BlockHeader
+from gds_kv_connector.format.records import ZERO_KEY
 from gds_kv_connector.maintenance import eviction
 from gds_kv_connector.maintenance import shard_summary as ss
 from gds_kv_connector.maintenance.eviction import evict, evict_pool, expire
@@ -18,28 +18,15 @@ from gds_kv_connector.maintenance.operations import format_stats, stats
 from gds_kv_connector.maintenance.pool_scan import scan_pool
 from gds_kv_connector.maintenance.recency import RecencyLog
 from gds_kv_connector.store.pool import STALE_FOREIGN_TMP_S, BlockPool
+from tests.support.sparse_pool import FILE, make_pool
+from tests.support.sparse_pool import put as sparse_put
 
-PAYLOAD = 4096
-FILE = 8192
 NOW = float(int(time.time()))  # "now" of every run (access logs take no time far from the clock's)
 NOW_NS = int(NOW * 1e9)
 
 
-def make_pool(*roots) -> BlockPool:
-    return BlockPool(tuple(str(r) for r in roots), b"\x22" * 32, PAYLOAD, 4, geometry_note="test")
-
-
 def put(pool: BlockPool, k: bytes, parent: bytes = ZERO_KEY, t_ns: int = NOW_NS - 10**12) -> None:
-    """A block file written directly (sparse payload): created and published at ``t_ns``."""
-    path = pool.path_for(k)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, BlockHeader(pool.fingerprint, k, PAYLOAD, 0, 1, 4, t_ns, parent).pack())
-        os.ftruncate(fd, FILE)
-    finally:
-        os.close(fd)
-    os.utime(path, ns=(t_ns, t_ns))
+    sparse_put(pool, k, t_ns, parent)
 
 
 def rkey(rng: random.Random) -> bytes:
