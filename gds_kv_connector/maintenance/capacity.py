@@ -96,7 +96,7 @@ class CapacityGuard:
         self.runner = runner
         self.time_limit_s = time_limit_s or EVICT_TIME_LIMIT_S
         self.failed_runs = 0  # child runs that failed in a row
-        self._child_argv = child_argv
+        self.child_argv = child_argv  # the child's command; None: evict_process.child_argv()
         self._asked = threading.Event()  # check_now wants a run, even within a failure's back-off
         self._cancel = threading.Event()  # close() gave up waiting: kill the child
         self._retry_at = 0.0  # monotonic time before which only check_now starts a run, after a failure
@@ -199,7 +199,7 @@ class CapacityGuard:
             try:
                 reports = evict_in_child(self.roots, self.quota_bytes, self.low_watermark, self.min_free_bytes,
                                          self.grace_s, time_limit_s=self.time_limit_s, recency=self._recency_log,
-                                         argv=self._child_argv, cancel=self._cancel)
+                                         argv=self.child_argv, cancel=self._cancel)
             except EvictChildFailed as exc:
                 self._child_failed(exc)
                 return

@@ -603,32 +603,19 @@ def _connector(spec: dict[str, Any]):
 
 
 def _evict_lock_probe(worker: Any, log_path: str) -> bool:
-    """Log, to a local file, when this process holds the pool's eviction lock: the time just after
-    a successful acquire and just before its release, so the logged interval lies inside the real one
-    (two processes' logged intervals that overlap prove two evictors at once).  Found from the worker's
-    capacity guard, without importing the package's modules by name; False where it is not found."""
+    """Log, to a local file, when this process, or the eviction process it starts, holds the pool's
+    eviction lock (:mod:`tests.support.evict_lock_log`).  Found from the worker's capacity guard,
+    without importing the package's modules by name; False where it is not found."""
     guard = getattr(worker, "capacity", None)
     mod = sys.modules.get(type(guard).__module__) if guard is not None else None
     run = getattr(mod, "evict_pool", None)
     lock_cls = getattr(run, "__globals__", {}).get("EvictLock")
-    if lock_cls is None or not hasattr(lock_cls, "acquire") or not hasattr(lock_cls, "release"):
+    import evict_lock_log  # beside this script, whose folder leads sys.path in the rig's children
+
+    if not evict_lock_log.install(lock_cls, log_path):
         return False
-    acquire, release = lock_cls.acquire, lock_cls.release
-    fh = open(log_path, "a", buffering=1)
-
-    def logged_acquire(self):
-        ok = acquire(self)
-        fh.write(json.dumps({"ev": "acquired" if ok else "busy", "t": time.time_ns(), "pid": os.getpid(),
-                             "host": socket.gethostname(), "path": self.path, "id": id(self)}) + "\n")
-        return ok
-
-    def logged_release(self):
-        if getattr(self, "_fd", -1) >= 0 or getattr(self, "_token", ""):
-            fh.write(json.dumps({"ev": "releasing", "t": time.time_ns(), "pid": os.getpid(),
-                                 "host": socket.gethostname(), "path": self.path, "id": id(self)}) + "\n")
-        return release(self)
-
-    lock_cls.acquire, lock_cls.release = logged_acquire, logged_release
+    if getattr(guard, "runner", "") == "process":  # the run and its lock are in a child: log there too
+        guard.child_argv = [sys.executable, evict_lock_log.__file__, log_path]
     return True
 
 
