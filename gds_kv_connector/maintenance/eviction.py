@@ -64,7 +64,8 @@ from gds_kv_connector.maintenance.pool_scan import (BadReference, BlockFile, Ref
                                                     mkdir_like_parent, open_regular, owners_dir, quarantine_dir,
                                                     quarantined_at_ns, read_published)
 from gds_kv_connector.maintenance.shard_summary import (E_INO, E_KEY, E_MTIME, E_RECENCY, E_SHARE, E_SIZE, FUTURE_TOLERANCE_NS, FX_ONE,
-                                                        Entry, RootSummaries, Shard, clamp_ns, fx_bytes, refresh)
+                                                        Entry, OwnChanges, RootSummaries, Shard, clamp_ns, fx_bytes,
+                                                        refresh)
 from gds_kv_connector.maintenance.recency import RecencyIndex, access_horizon, fold_stale_logs
 from gds_kv_connector.maintenance.retired_owners import fold_retired_owners
 from gds_kv_connector.config.settings import SPECS
@@ -516,13 +517,14 @@ class _Planner:
         self.removed_paths: set[str] = set()
         self.promised = [0] * len(roots)  # blocks found promised while unlinking, per root
         self._counted = [0] * len(roots)  # protected blocks of the last window, per root
+        self.own = OwnChanges(self.shards)  # shard directories changed by this run's unlinks alone
 
     def run(self, ref_budget: list[int], fresh: "_Fresh | None") -> None:
         want = WINDOW_MIN
         while True:
             self._pull(want)
             nodes = self._graph()
-            removed = _peel(nodes, self.reports, ref_budget, fresh, self.names)
+            removed = _peel(nodes, self.reports, ref_budget, fresh, self.names, self.own)
             for i, report in enumerate(self.reports):
                 self.promised[i] = report.protected_blocks - self._counted[i]
             for path in removed:
@@ -652,7 +654,8 @@ class _Planner:
         """Rewrite the header of every summary whose shard this run unlinked in (or found entries gone)."""
         for sid, dead in self.dead.items():
             removed, fx = self.freed.get(sid, (0, 0))
-            self.shards[sid].update(dead, removed, fx)
+            shard = self.shards[sid]
+            shard.update(dead, removed, fx, self.own.left(shard.dir))
 
 
 
@@ -833,12 +836,14 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node]) -> None:
 
 
 def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget: list[int],
-          fresh: "_Fresh | None", names: dict[tuple[int, tuple[int, int, int]], int]) -> set[str]:
+          fresh: "_Fresh | None", names: dict[tuple[int, tuple[int, int, int]], int],
+          own: OwnChanges | None = None) -> set[str]:
     """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
     a parent becomes a leaf once all its children are gone, and nothing protected goes, nor what
     ``fresh`` finds promised since the plan (without ``fresh``, a dry run: nothing is unlinked).
     ``names`` holds the names left of each reference file (its link count when first read): its
-    bytes are freed, and counted, when the last one goes.
+    bytes are freed, and counted, when the last one goes.  ``own`` watches the shard directories
+    around each unlink (:class:`~.shard_summary.OwnChanges`).
 
     A leaf in a root already within its target goes only when an ancestor of it lies in a root
     still short of its target: a chain's tail in one root is what keeps its head in another
@@ -864,9 +869,16 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget:
         if fresh is not None and fresh.promised(n):
             report.protected_blocks += 1
             continue
-        if not (fresh is None or _remove_if_same(n.block, n.ref, fresh.keeps[n.root])):
-            report.failed += 1
-            continue
+        if fresh is not None:
+            shard_dir = os.path.dirname(n.block.path)
+            if own is not None:
+                own.before(shard_dir)
+            gone = _remove_if_same(n.block, n.ref, fresh.keeps[n.root])
+            if own is not None:
+                own.after(shard_dir)
+            if not gone:
+                report.failed += 1
+                continue
         removed.add(path)
         report.evicted_blocks += 1
         if n.ref:

@@ -18,9 +18,13 @@ Rules, and why:
   counts nothing, and a pool's usage must be right from its first run (``gds-kv gc`` must not
   decide on an under-counted pool).  Rebuilds of stale ones are budgeted (:data:`LIST_BUDGET`
   names per run, the missing ones' included, oldest-built first); a summary older than
-  :data:`MAX_AGE_S` is rebuilt like a stale one, so a publication that landed while the evictor
-  itself unlinked in that shard (it then records the directory's new mtime) is seen later.  Until
-  rebuilt, a shard is used as its summary says: usage and order lag.
+  :data:`MAX_AGE_S` is rebuilt like a stale one.  Until rebuilt, a shard is used as its summary
+  says: usage and order lag.
+* The evictor's own unlinks do not make a summary stale: :class:`OwnChanges` stats the directory
+  just before and just after each of them, and the summary records the mtime they left only while
+  every "before" matched the last "after" (or the listing), that is, while no other process
+  created or removed a name there since it was listed.  A publication during the run breaks that
+  chain and leaves the summary stale, so the next run counts it.
 * An entry's recency folds in the newest access logged before its summary was built (the run that
   builds it read the logs first), so a run needs only the access records since the oldest summary
   it uses (:meth:`RootSummaries.oldest_built_ns`, :func:`~.recency.access_horizon`).
@@ -213,25 +217,24 @@ class Shard:
                 yield i, e
                 i += 1
 
-    def update(self, dead: set[int], removed: int, removed_fx: int) -> None:
+    def update(self, dead: set[int], removed: int, removed_fx: int, dir_id: tuple[int, int] | None) -> None:
         """After this run unlinked ``removed`` names (``removed_fx`` bytes) of the shard: move ``start``
         past the leading entries in ``dead`` (removed, or found gone), take them off the live totals,
-        and record the directory's new mtime if the summary was current before the unlinks (so that
-        they do not make it stale).  The header is rewritten in place; a failure leaves it stale."""
+        and record ``dir_id``, the directory as the run's own unlinks left it (:meth:`OwnChanges.left`;
+        None: changed by another process too, so the summary stays stale).  The header is rewritten
+        in place; a failure leaves it stale."""
         h = self.header
         if h is None or self.data is not None:
             return
-        was_current = self.current
         while h.start < h.count and h.start in dead:
             h.start += 1
         h.live_count = max(0, h.live_count - removed)
         h.live_fx = max(0, h.live_fx - removed_fx)
         if self.counted is not None:
             self.counted = (max(0, self.counted[0] - removed), max(0, self.counted[1] - removed_fx))
-        if was_current:
-            self.dir_id = _dir_id(self.dir)
-            if self.dir_id is not None:
-                h.dir_ino, h.dir_mtime_ns = self.dir_id
+        if dir_id is not None:
+            self.dir_id = dir_id
+            h.dir_ino, h.dir_mtime_ns = dir_id
         try:
             fd, st = open_regular(self.path, os.O_WRONLY)
         except OSError:
@@ -243,6 +246,33 @@ class Shard:
             pass
         finally:
             os.close(fd)
+
+
+class OwnChanges:
+    """Which shard directories only this run has changed since they were listed.
+
+    A directory starts known when its summary is current (its (inode, mtime) as listed).  Around
+    each unlink the caller calls :meth:`before` and :meth:`after`: a "before" that differs from
+    what the last "after" (or the listing) saw means another process changed the directory, and
+    it is known no more.  Two stats per unlink: the run's cost stays that of the blocks it frees.
+    A publication inside the unlink itself, between its two stats, is not seen (the mtime shows
+    only the latest change); :data:`MAX_AGE_S` bounds how long it goes uncounted.
+    """
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self._ids: dict[str, tuple[int, int] | None] = {s.dir: s.dir_id if s.current else None for s in shards}
+
+    def before(self, d: str) -> None:
+        if self._ids.get(d) is not None and _dir_id(d) != self._ids[d]:
+            self._ids[d] = None
+
+    def after(self, d: str) -> None:
+        if self._ids.get(d) is not None:
+            self._ids[d] = _dir_id(d)
+
+    def left(self, d: str) -> tuple[int, int] | None:
+        """The directory as this run's unlinks left it, or None if another process changed it too."""
+        return self._ids.get(d)
 
 
 @dataclass

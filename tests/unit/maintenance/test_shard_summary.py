@@ -179,6 +179,41 @@ def test_stale_shards_past_the_budget_are_counted_so_usage_does_not_lag(tmp_path
     assert sums.live_fx == 132 * sums.shards[0].header.live_fx // sums.shards[0].header.live_count
 
 
+def test_own_unlinks_keep_a_summary_current_another_writers_publication_during_the_run_does_not(
+        tmp_path, monkeypatch):
+    """The evictor records the mtime its own unlinks leave, so they do not make the shard stale;
+    but a block another process publishes in that shard while the run unlinks there must leave
+    the summary stale, or the pool's usage would lack it until the summary's maximum age."""
+    pool = make_pool(tmp_path)
+    old = [bytes([0x3C, i]) + bytes(30) for i in range(6)]  # one shard
+    for i, k in enumerate(old):
+        put(pool, k, t_ns=NOW_NS - 10**12 + i)
+    build(tmp_path)
+    (report,) = evict_pool([str(tmp_path)], 5 * FILE, 0.8, 0, 0.0, now=NOW)  # frees 2
+    assert report.evicted_blocks == 2
+    assert shards_of(tmp_path).shards[0].current  # its own unlinks: still current
+
+    real = eviction._Fresh.promised
+    late = bytes([0x3C, 0x77]) + bytes(30)
+    asked = []
+
+    def publish_between_unlinks(fresh, n):
+        asked.append(n)
+        if len(asked) == 2:  # after the run's first unlink, before its second: another owner publishes
+            put(pool, late, t_ns=NOW_NS)
+        return real(fresh, n)
+
+    monkeypatch.setattr(eviction._Fresh, "promised", publish_between_unlinks)
+    (report,) = evict_pool([str(tmp_path)], 3 * FILE, 0.7, 0, 0.0, now=NOW)
+    assert report.evicted_blocks == 2 and len(asked) == 2
+    monkeypatch.undo()
+    sums = shards_of(tmp_path)
+    assert not sums.shards[0].current
+    assert late in present(tmp_path)
+    (again,) = evict_pool([str(tmp_path)], 0, 0.9, 0, 0.0, now=NOW + 1)  # usage as the next run sees it
+    assert again.scanned_blocks == len(present(tmp_path))
+
+
 def test_a_shard_listing_removes_stale_temporary_files(tmp_path):
     pool = make_pool(tmp_path)
     k = bytes([0x5A]) * 32
