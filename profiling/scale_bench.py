@@ -21,7 +21,11 @@ points, whatever the tree holds when it runs:
   evict        ``maintenance.eviction.evict_pool`` with Q and the low watermark as above
 
 The last three remove blocks: the pool builder writes the removed ones back after each (``restore``), so the
-next operation and a later ``--reuse`` see the pool as built.
+next operation and a later ``--reuse`` see the pool as built.  Before each of them the pool is *settled*
+(untimed, ``scale_pool.settle``): every shard summary brought up to date, then every shard directory changed,
+as writers in service leave them.  So each remover starts from the same state, the one it meets in service
+(every summary stale: its run pays the budgeted rebuilds and the count of stale shards), and restored blocks,
+written with their old times, are in the summaries as the blocks they replace were.
 
 A child imports what it needs, reports ready, and is timed from the parent's go: the seconds exclude the
 interpreter and imports, peak RSS (VmHWM) includes them, and its RSS at ready is reported beside it.
@@ -343,7 +347,7 @@ def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Calla
         built = False
     size = {"blocks": blocks, "dir": directory, "built": built, "build_s": meta.build_s,
             "build_rate": meta.build_rate, "build_processes": meta.processes, "target": meta.target,
-            "disk_used_mb": _disk_used_mb(meta.root), "runs": [], "restores": []}
+            "disk_used_mb": _disk_used_mb(meta.root), "runs": [], "restores": [], "settles": []}
     passes = {"warm": [("warm", False, False)], "cold": [("cold", True, False)],
               "both": [("warm", False, False), ("cold", True, False)]}[args.cache]
     if args.strace:
@@ -352,6 +356,8 @@ def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Calla
     for label, cold, strace in passes:
         for op in args.ops:
             params = dict(base)
+            if op in DESTRUCTIVE:
+                size["settles"].append({"before": f"{op} ({label})", **scale_pool.settle(meta)})
             if op == "gc_max_age":
                 params["max_age_s"] = round((time.time_ns() - meta.expire_cutoff_ns) / 1e9, 3)
             res = run_op(op, os.path.join(directory, scale_pool.META_NAME), params, args.limit_s, cold=cold,

@@ -18,8 +18,9 @@ Rules, and why:
   counts nothing, and a pool's usage must be right from its first run (``gds-kv gc`` must not
   decide on an under-counted pool).  Rebuilds of stale ones are budgeted (:data:`LIST_BUDGET`
   names per run, the missing ones' included, oldest-built first); a summary older than
-  :data:`MAX_AGE_S` is rebuilt like a stale one.  Until rebuilt, a shard is used as its summary
-  says: usage and order lag.
+  :data:`MAX_AGE_S` is rebuilt like a stale one.  Until rebuilt, a shard's order of entries lags;
+  its usage does not: a sample of the stale shards within :data:`COUNT_BUDGET` names is counted by
+  one listing, and the rest are estimated from that sample (:func:`_count_stale`).
 * The evictor's own unlinks do not make a summary stale: :class:`OwnChanges` stats the directory
   just before and just after each of them, and the summary records the mtime they left only while
   every "before" matched the last "after" (or the listing), that is, while no other process
@@ -68,6 +69,7 @@ FX_ONE = 1 << 10  # a reference file's bytes are split over its names: sizes are
 MAX_ENTRIES = 1 << 26  # per shard: what a header may claim before its file is taken for garbage
 READ_ENTRIES = 256  # entries of one summary brought into memory by one read
 LIST_BUDGET = 200_000  # names listed by the rebuilds of one run
+COUNT_BUDGET = 200_000  # names listed by one run to count stale shards it does not rebuild; the rest are estimated
 MAX_AGE_S = 900.0  # a summary older than this is rebuilt even when its directory looks unchanged
 TMP_KEEP_S = 3_600.0  # a summary's own temporary file (a writer that died) goes after this
 FUTURE_TOLERANCE_NS = 86_400 * 10**9  # a time further ahead than this is a broken clock's: unknown
@@ -163,8 +165,9 @@ class Shard:
     ino: int = 0  # the summary file's inode, when read from a file
     data: bytes | None = None  # a summary rebuilt but not written (a dry run): read from here
     fresh: bool = False  # rebuilt by this run
-    # a stale shard this run did not rebuild: its block names counted by a listing, and their bytes (in
-    # 1/FX_ONE) estimated at its summary's mean, so that usage does not lag behind what writers added
+    # a stale shard this run did not rebuild: its block names counted by a listing or estimated from
+    # shards that were (_count_stale), and their bytes (in 1/FX_ONE) at its summary's mean size, so that
+    # usage does not lag behind what writers added
     counted: tuple[int, int] | None = None
 
     @property
@@ -284,6 +287,7 @@ class Refresh:
     lstats: int = 0  # names lstat'ed (new since the old summary)
     tmp_removed: int = 0
     counted: int = 0  # names listed to count the stale shards not rebuilt (Shard.counted)
+    estimated: int = 0  # stale shards not rebuilt whose count is estimated from those counted
     unreadable: int = 0  # directories or entries that could not be read
     stale: int = 0  # shards left stale or missing after the run
 
@@ -371,12 +375,13 @@ def needs_rebuild(shard: Shard, now_ns: int) -> bool:
 
 
 def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], now: float, *,
-            write: bool, budget: int | None = LIST_BUDGET) -> dict[int, Refresh]:
+            write: bool, budget: int | None = LIST_BUDGET,
+            count_budget: int | None = COUNT_BUDGET) -> dict[int, Refresh]:
     """Build every missing summary of ``roots``, then rebuild those stale or too old, oldest-built
     first, while fewer than ``budget`` names have been listed (at least one shard; None: all of
-    them).  ``access[i]``
-    is root i's newest logged access per key, folded into the recency of the entries.  With
-    ``write`` off (a dry run) summaries are rebuilt in memory only and no file is removed.
+    them); then count the stale ones left within ``count_budget`` names (:func:`_count_stale`).
+    ``access[i]`` is root i's newest logged access per key, folded into the recency of the entries.
+    With ``write`` off (a dry run) summaries are rebuilt in memory only and no file is removed.
     Returns what was done, by root index."""
     now_ns = int(now * 1e9)
     out = {r.index: Refresh() for r in roots}
@@ -391,10 +396,7 @@ def refresh(roots: Sequence[RootSummaries], access: Sequence[dict[bytes, int]], 
         listed += n
         r.listed += n
     for r in roots:
-        mean = _mean_fx(r.shards)
-        for shard in r.shards:
-            if shard.header is not None and shard.dir_id is not None and not shard.current:
-                out[r.index].counted += _count(shard, mean)
+        out[r.index].counted, out[r.index].estimated = _count_stale(r.shards, count_budget)
     for r in roots:
         if write:
             r.remove_orphans(now)
@@ -410,6 +412,49 @@ def _mean_fx(shards: Sequence[Shard]) -> int:
     return sum(s.header.live_fx for s in shards if s.header is not None) // count if count else 0
 
 
+def _count_stale(shards: Sequence[Shard], budget: int | None) -> tuple[int, int]:
+    """Set ``counted`` on every stale shard of one root that is not rebuilt: list about ``budget``
+    names' worth of them (None: all) and estimate the others.  Returns (names listed, shards estimated).
+
+    Keys are hashes, so the writers of a fingerprint spread their blocks evenly over its 256
+    shards: shards whose summaries were built at about the same time have gained about the same
+    number of names since.  So, per fingerprint, the stale shards are sorted by when their summary
+    was built, an evenly spaced sample of them is listed (at least one), and each other shard is
+    taken to have gained what the sampled shard nearest to it in that order gained.  The cost is
+    the budget, not the pool; the error is the spread of one shard's gain, a few percent of it.
+    """
+    stale = [s for s in shards if s.header is not None and s.dir_id is not None and not s.current]
+    if not stale:
+        return 0, 0
+    mean = _mean_fx(shards)
+    names = sum(s.header.live_count for s in stale) or 1
+    groups: dict[str, list[Shard]] = {}
+    for s in stale:
+        groups.setdefault(s.fp, []).append(s)
+    listed = estimated = 0
+    for group in groups.values():
+        group.sort(key=lambda s: s.header.built_ns)
+        n = len(group)
+        k = n if budget is None else max(1, min(n, budget * n // names))
+        picks = sorted({(2 * i + 1) * n // (2 * k) for i in range(k)})
+        gains = []
+        for i in picks:
+            listed += _count(group[i], mean)
+            counted = group[i].counted
+            gains.append((i, counted[0] - group[i].header.live_count if counted is not None else 0))
+        for i, shard in enumerate(group):
+            if shard.counted is None:
+                gain = min(gains, key=lambda g: abs(g[0] - i))[1]
+                count = max(0, shard.header.live_count + gain)
+                shard.counted = (count, count * _per_name_fx(shard.header, mean))
+                estimated += 1
+    return listed, estimated
+
+
+def _per_name_fx(h: Header, mean_fx: int) -> int:
+    return h.live_fx // h.live_count if h.live_count else mean_fx
+
+
 def _count(shard: Shard, mean_fx: int) -> int:
     """Count the block names of a stale shard that is not rebuilt (``Shard.counted``): one listing of
     names, nothing lstat'ed, its bytes estimated at its summary's mean size (the root's when it has
@@ -419,9 +464,7 @@ def _count(shard: Shard, mean_fx: int) -> int:
     except OSError:
         return 0
     n = sum(map(_is_block_name, names))
-    h = shard.header
-    per = h.live_fx // h.live_count if h.live_count else mean_fx
-    shard.counted = (n, n * per)
+    shard.counted = (n, n * _per_name_fx(shard.header, mean_fx))
     return len(names)
 
 

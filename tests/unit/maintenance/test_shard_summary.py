@@ -179,6 +179,35 @@ def test_stale_shards_past_the_budget_are_counted_so_usage_does_not_lag(tmp_path
     assert sums.live_fx == 132 * sums.shards[0].header.live_fx // sums.shards[0].header.live_count
 
 
+def test_stale_shards_past_the_count_budget_are_estimated_from_a_sample_of_them(tmp_path):
+    """Past the count budget, the stale shards not counted are taken to have gained what the
+    counted shard nearest to them in build order gained: writers' keys are hashes, spread evenly,
+    so a pool whose every shard gained alike is estimated exactly, from a listing of a few shards."""
+    pool = make_pool(tmp_path)
+    for sub in range(40):
+        for i in range(10):
+            put(pool, bytes([sub, i]) + bytes(30))
+    build(tmp_path)
+    for sub in range(40):
+        for i in range(3):
+            put(pool, bytes([sub, 50 + i]) + bytes(30))
+    sums = shards_of(tmp_path)
+    tally = ss.refresh([sums], [{}], NOW + 1, write=True, budget=1, count_budget=50)[0]
+    assert tally.rebuilt == 1 and tally.stale == 39
+    assert 1 <= 39 - tally.estimated <= 5 and tally.counted <= 5 * 13  # a few shards listed, not 39
+    assert sums.live_count == 40 * 13
+    per = sums.shards[0].header.live_fx // sums.shards[0].header.live_count
+    assert sums.live_fx == 40 * 13 * per
+    # within the count budget every stale shard is counted, none estimated
+    sums = shards_of(tmp_path)
+    ss.refresh([sums], [{}], NOW + 2, write=True, budget=None)
+    for sub in range(0, 40, 2):
+        put(pool, bytes([sub, 90]) + bytes(30))
+    sums = shards_of(tmp_path)
+    tally = ss.refresh([sums], [{}], NOW + 3, write=True, budget=0, count_budget=10**6)[0]
+    assert tally.estimated == 0 and sums.live_count == 40 * 13 + 20  # within the budget: all counted
+
+
 def test_own_unlinks_keep_a_summary_current_another_writers_publication_during_the_run_does_not(
         tmp_path, monkeypatch):
     """The evictor records the mtime its own unlinks leave, so they do not make the shard stale;
