@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -122,6 +123,42 @@ def test_a_rebuilt_plan_replaces_the_bound_one_and_keeps_the_others_saves(pool_e
         worker.wait_for_save(None)
         assert loads == [] and [op.request_id for op in saves] == [2]
         assert 1 not in sched._reqs  # its state went with its allocation
+    finally:
+        worker.shutdown()
+
+
+class _SlottedOutput:
+    """A scheduler output of a type without weak references."""
+
+    __slots__ = ("new_requests", "cached_requests", "prefix_loads")
+
+    def __init__(self, new_requests) -> None:
+        self.new_requests, self.cached_requests, self.prefix_loads = new_requests, [], []
+
+
+@pytest.mark.parametrize("kind", ["mirror", "slotted"])
+def test_a_plans_output_is_not_kept_alive_and_a_rebuild_is_still_told_apart(pool_env, kind):
+    """The scheduler remembers the output it planned from only to tell TensorRT-LLM's rebuild (the
+    same object given again) from a new plan: weakly, so the output and its reports are freed where
+    TensorRT-LLM drops them, not inside the next iteration's callback; an output type without weak
+    references is held until the next plan, and its rebuild is told apart all the same."""
+    sched, worker = _pair()
+    try:
+        req = SimRequest(2, OTHER, tokens=list(OTHER))
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, [0, 1, 2])
+        report = RequestData(2, list(OTHER), [0, 1, 2], 0, len(OTHER))
+        out = SchedulerOutput(new_requests=[report]) if kind == "mirror" else _SlottedOutput([report])
+        first = sched.build_connector_meta(out)
+        assert first is not None and first.saves
+        again = sched.build_connector_meta(out)
+        assert again.replaces == first.serial and again.saves == first.saves
+        if kind == "mirror":
+            gone = weakref.ref(out)
+            del out
+            assert gone() is None  # nothing in the scheduler holds it
+        nxt = sched.build_connector_meta(SchedulerOutput())
+        assert nxt is None or nxt.replaces == 0
     finally:
         worker.shutdown()
 
