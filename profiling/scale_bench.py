@@ -21,7 +21,8 @@ points, whatever the tree holds when it runs:
   evict        ``maintenance.eviction.evict_pool`` with Q and the low watermark as above
 
 The last three remove blocks: the pool builder writes the removed ones back after each (``restore``), so the
-next operation and a later ``--reuse`` see the pool as built.  Before each of them the pool is *settled*
+next operation and a later ``--reuse`` see the pool as built.  Before each of them, and before the dry run
+(whose quota, one block below usage, is within the stale shards' estimate of it), the pool is *settled*
 (untimed, ``scale_pool.settle``): every shard summary brought up to date, then every shard directory changed,
 as writers in service leave them.  So each remover starts from the same state, the one it meets in service
 (every summary stale: its run pays the budgeted rebuilds and the count of stale shards), and restored blocks,
@@ -60,6 +61,7 @@ import scale_pool  # noqa: E402  (a sibling file, not a package)
 
 OPS = ("summaries", "stats", "gc_dry_run", "verify", "startup", "match", "gc_max_age", "gc_quota", "evict")
 DESTRUCTIVE = {"gc_max_age", "gc_quota", "evict"}
+SETTLED = DESTRUCTIVE | {"gc_dry_run"}  # run on a settled pool (scale_pool.settle)
 SYSCALL_GROUPS = {
     "stat": {"stat", "lstat", "fstat", "newfstatat", "statx", "fstatat64", "stat64", "lstat64", "fstat64"},
     "open": {"open", "openat", "openat2", "creat"},
@@ -356,7 +358,7 @@ def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Calla
     for label, cold, strace in passes:
         for op in args.ops:
             params = dict(base)
-            if op in DESTRUCTIVE:
+            if op in SETTLED:
                 size["settles"].append({"before": f"{op} ({label})", **scale_pool.settle(meta)})
             if op == "gc_max_age":
                 params["max_age_s"] = round((time.time_ns() - meta.expire_cutoff_ns) / 1e9, 3)
