@@ -324,10 +324,11 @@ def _fs_cost(calls: dict[str, int]) -> dict[str, Any]:
 
 
 # -- one pool size -----------------------------------------------------------------------------------
-def removal_params(meta: scale_pool.PoolMeta) -> dict[str, Any]:
-    """Quota and low watermark under which one pass frees ``meta.target`` blocks' bytes: the pool is just
-    over the quota, and the watermark is what is left after the target."""
-    usage = meta.bytes
+def removal_params(meta: scale_pool.PoolMeta, usage: int | None = None) -> dict[str, Any]:
+    """Quota and low watermark under which one pass frees ``meta.target`` blocks' bytes: the pool (of
+    ``usage`` bytes, by default as built) is just over the quota, and the watermark is what is left after
+    the target."""
+    usage = meta.bytes if usage is None else usage
     quota = usage - meta.file_size
     return {"quota": quota, "low_watermark": (usage - meta.target * meta.file_size) / quota}
 
@@ -358,8 +359,10 @@ def bench_size(directory: str, blocks: int, args: argparse.Namespace, log: Calla
     for label, cold, strace in passes:
         for op in args.ops:
             params = dict(base)
-            if op in SETTLED:
-                size["settles"].append({"before": f"{op} ({label})", **scale_pool.settle(meta)})
+            if op in SETTLED:  # and the quota set from the pool as it is, should a block be missing
+                settled = scale_pool.settle(meta)
+                size["settles"].append({"before": f"{op} ({label})", **settled})
+                params.update(removal_params(meta, settled["usage_bytes"]))
             if op == "gc_max_age":
                 params["max_age_s"] = round((time.time_ns() - meta.expire_cutoff_ns) / 1e9, 3)
             res = run_op(op, os.path.join(directory, scale_pool.META_NAME), params, args.limit_s, cold=cold,

@@ -345,10 +345,11 @@ def settle(meta: PoolMeta) -> dict[str, float]:
     summary up to date (a refresh without budgets, under the pool's eviction lock), then create and
     remove one name in every shard directory, as a writer's publication changes it.  A remover timed
     next pays what it pays in service (budgeted rebuilds, the count of stale shards) and still finds
-    every block, restored ones included, in the summaries.  Returns the seconds of each step."""
+    every block, restored ones included, in the summaries.  Returns the seconds of each step and the
+    pool's usage and blocks as the summaries now count them exactly."""
     from gds_kv_connector.maintenance.eviction import EvictLock
     from gds_kv_connector.maintenance.recency import RecencyIndex
-    from gds_kv_connector.maintenance.shard_summary import RootSummaries, refresh
+    from gds_kv_connector.maintenance.shard_summary import RootSummaries, fx_bytes, refresh
 
     t0 = time.monotonic()
     with EvictLock(meta.root) as lock:
@@ -356,14 +357,16 @@ def settle(meta: PoolMeta) -> dict[str, float]:
             raise RuntimeError(f"scale_pool: the eviction lock of {meta.root} is held")
         index = RecencyIndex(meta.root)
         index.set_horizon(0)
-        refresh([RootSummaries.load(meta.root, 0)], [index.refresh()], time.time(), write=True, budget=None)
+        sums = RootSummaries.load(meta.root, 0)
+        refresh([sums], [index.refresh()], time.time(), write=True, budget=None)
     t1 = time.monotonic()
     fp_dir = os.path.join(meta.root, LAYOUT_DIR, meta.fingerprint[:16])
     for b in range(256):
         path = os.path.join(fp_dir, f"{b:02x}", ".settle")
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
         os.unlink(path)
-    return {"summaries_s": round(t1 - t0, 2), "touch_s": round(time.monotonic() - t1, 2)}
+    return {"summaries_s": round(t1 - t0, 2), "touch_s": round(time.monotonic() - t1, 2),
+            "usage_bytes": fx_bytes(sums.live_fx), "blocks": sums.live_count}
 
 
 if __name__ == "__main__":
