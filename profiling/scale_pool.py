@@ -360,9 +360,8 @@ def settle(meta: PoolMeta) -> dict[str, float]:
         sums = RootSummaries.load(meta.root, 0)
         refresh([sums], [index.refresh()], time.time(), write=True, budget=None)
     t1 = time.monotonic()
-    fp_dir = os.path.join(meta.root, LAYOUT_DIR, meta.fingerprint[:16])
-    for b in range(256):
-        path = os.path.join(fp_dir, f"{b:02x}", ".settle")
+    for shard in sums.shards:
+        path = os.path.join(shard.dir, ".settle")
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
         os.unlink(path)
     return {"summaries_s": round(t1 - t0, 2), "touch_s": round(time.monotonic() - t1, 2),

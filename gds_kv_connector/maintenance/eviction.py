@@ -837,7 +837,7 @@ def _mark_ancestor_roots(nodes: dict[NodeId, _Node]) -> None:
 
 def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget: list[int],
           fresh: "_Fresh | None", names: dict[tuple[int, tuple[int, int, int]], int],
-          own: OwnChanges | None = None) -> set[str]:
+          own: OwnChanges) -> set[str]:
     """Remove leaves, dangling ones first, then oldest first, until every root has met its target;
     a parent becomes a leaf once all its children are gone, and nothing protected goes, nor what
     ``fresh`` finds promised since the plan (without ``fresh``, a dry run: nothing is unlinked).
@@ -871,11 +871,9 @@ def _peel(nodes: dict[NodeId, _Node], reports: list[EvictionReport], ref_budget:
             continue
         if fresh is not None:
             shard_dir = os.path.dirname(n.block.path)
-            if own is not None:
-                own.before(shard_dir)
+            own.before(shard_dir)
             gone = _remove_if_same(n.block, n.ref, fresh.keeps[n.root])
-            if own is not None:
-                own.after(shard_dir)
+            own.after(shard_dir)
             if not gone:
                 report.failed += 1
                 continue

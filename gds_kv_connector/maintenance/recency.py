@@ -382,9 +382,8 @@ class _OwnerLog:
     def compact(self, target_bytes: int) -> None:
         """Rewrite the log as one record per key, only the newest keys if still too large, written
         oldest first: appends then go on in time order, which a reader's bisection relies on."""
-        latest = _merge_file(self.path, {})
-        keep = sorted(latest.items(), key=_stamp)[-max(1, target_bytes // RECORD.size):]
-        atomic_write(self.path, b"".join(RECORD.pack(k, t) for k, t in keep))
+        keep = _by_time(_newest_per_key(_read_records(self.path)))[-max(1, target_bytes // RECORD.size):]
+        atomic_write(self.path, keep.tobytes())
         self.close()
 
     def close(self) -> None:
@@ -566,8 +565,8 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], ol
     removals): with no log to fold and too few of them to make a quarter of the archive's records
     (one per key), the archive would not be rewritten, so it is not read either.
 
-    Records are deduplicated in numpy arrays (about 100 bytes a record read, at the peak), not a
-    dict of Python keys (about 300): a fold reads the archive whole, up to :data:`MAX_READ_BYTES`.
+    A fold reads the archive whole, up to :data:`MAX_READ_BYTES`, so its records are deduplicated
+    in numpy arrays of 40-byte records, not a dict of Python keys, several times their size.
     """
     d = owners_dir(root)
     now = time.time() if now is None else now
@@ -609,7 +608,7 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], ol
         # then reads whole again, on every eviction run.
         return 0
     del latest
-    atomic_write(archive, kept[np.argsort(kept["t"], kind="stable")].tobytes())  # oldest record first
+    atomic_write(archive, _by_time(kept).tobytes())
     for path in taken:
         try:
             os.unlink(path)
@@ -629,15 +628,9 @@ def _read_records(path: str) -> np.ndarray:
     parts = []
     try:
         end = st.st_size - st.st_size % RECORD.size
-        pos = _capped_start(path, 0, end)
-        while pos < end:
-            chunk = os.pread(fd, min(READ_CHUNK_BYTES, end - pos), pos)
-            usable = len(chunk) - len(chunk) % RECORD.size
-            if not usable:
-                break
-            recs = np.frombuffer(chunk, _RECORDS, usable // RECORD.size)
+        for chunk, _ in _chunks(fd, _capped_start(path, 0, end), end):
+            recs = np.frombuffer(chunk, _RECORDS)
             parts.append(recs[(recs["t"] >= lo) & (recs["t"] <= hi)])
-            pos += usable
     finally:
         os.close(fd)
     return np.concatenate(parts) if parts else np.empty(0, _RECORDS)
@@ -657,8 +650,9 @@ def _newest_per_key(recs: np.ndarray) -> np.ndarray:
     return recs[last]
 
 
-def _stamp(item: tuple[bytes, int]) -> int:
-    return item[1]
+def _by_time(recs: np.ndarray) -> np.ndarray:
+    """Records oldest first, as logs are written: a reader's bisection relies on that order."""
+    return recs[np.argsort(recs["t"], kind="stable")]
 
 
 def _is_log(name: str) -> bool:
@@ -671,21 +665,6 @@ def _listdir(d: str) -> list[str]:
         return os.listdir(d)
     except FileNotFoundError:
         return []
-
-
-def _merge_file(path: str, into: dict[bytes, int]) -> dict[bytes, int]:
-    """Fold a log's records into ``into`` (its newest :data:`MAX_READ_BYTES`); none where it is gone
-    or not a regular file (a FIFO must not hang a fold)."""
-    try:
-        fd, st = open_regular(path)
-    except (FileNotFoundError, NotRegularFile):
-        return into
-    try:
-        end = st.st_size - st.st_size % RECORD.size
-        _merge_range(fd, _capped_start(path, 0, end), end, into)
-    finally:
-        os.close(fd)
-    return into
 
 
 def _capped_start(path: str, start: int, end: int) -> int:
@@ -739,12 +718,20 @@ def _merge_range(fd: int, start: int, end: int, into: dict[bytes, int], since_ns
     file now ends).  A chunk of zeros (a hole, blocks zero-filled by a crash) holds no record and is
     not parsed."""
     pos = start
+    for chunk, pos in _chunks(fd, start, end):
+        if chunk.count(0) != len(chunk):
+            merge_records(chunk, into, since_ns)
+    return pos
+
+
+def _chunks(fd: int, start: int, end: int) -> Iterator[tuple[bytes, int]]:
+    """The whole records of bytes ``[start, end)`` of ``fd``, :data:`READ_CHUNK_BYTES` at a time, each
+    with the position after it; stops early where the file now ends."""
+    pos = start
     while pos < end:
         chunk = os.pread(fd, min(READ_CHUNK_BYTES, end - pos), pos)
         usable = len(chunk) - len(chunk) % RECORD.size
         if not usable:
-            break
-        if chunk.count(0) != len(chunk):
-            merge_records(chunk, into, since_ns)
+            return
         pos += usable
-    return pos
+        yield (chunk if usable == len(chunk) else chunk[:usable]), pos

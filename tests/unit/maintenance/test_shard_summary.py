@@ -160,17 +160,25 @@ def test_missing_summaries_are_all_built_stale_ones_within_the_budget_oldest_bui
     assert build(tmp_path, budget=None).stale == 0
 
 
+def summarised_then_grown(tmp_path, shards: int, added: int) -> BlockPool:
+    """A pool of ``shards`` shards of 10 blocks each, summarised, then ``added`` blocks more in each
+    (so every summary is stale)."""
+    pool = make_pool(tmp_path)
+    for sub in range(shards):
+        for i in range(10):
+            put(pool, bytes([sub, i]) + bytes(30))
+    build(tmp_path)
+    for sub in range(shards):
+        for i in range(added):
+            put(pool, bytes([sub, 50 + i]) + bytes(30))
+    return pool
+
+
 def test_stale_shards_past_the_budget_are_counted_so_usage_does_not_lag(tmp_path):
     """What writers added to shards a run does not rebuild still counts: their names are listed and
     counted (nothing lstat'ed), each at its summary's mean size, which is what a fingerprint's block
     files all have; a quota is then held against the pool as it is, not as it was summarised."""
-    pool = make_pool(tmp_path)
-    for sub in range(12):
-        for i in range(10):
-            put(pool, bytes([sub, i]) + bytes(30))
-    build(tmp_path)
-    for sub in range(12):
-        put(pool, bytes([sub, 50]) + bytes(30))
+    summarised_then_grown(tmp_path, shards=12, added=1)
     sums = shards_of(tmp_path)
     assert sums.live_count == 120  # as summarised
     tally = ss.refresh([sums], [{}], NOW + 1, write=True, budget=1)[0]
@@ -183,14 +191,7 @@ def test_stale_shards_past_the_count_budget_are_estimated_from_a_sample_of_them(
     """Past the count budget, the stale shards not counted are taken to have gained what the
     counted shard nearest to them in build order gained: writers' keys are hashes, spread evenly,
     so a pool whose every shard gained alike is estimated exactly, from a listing of a few shards."""
-    pool = make_pool(tmp_path)
-    for sub in range(40):
-        for i in range(10):
-            put(pool, bytes([sub, i]) + bytes(30))
-    build(tmp_path)
-    for sub in range(40):
-        for i in range(3):
-            put(pool, bytes([sub, 50 + i]) + bytes(30))
+    pool = summarised_then_grown(tmp_path, shards=40, added=3)
     sums = shards_of(tmp_path)
     tally = ss.refresh([sums], [{}], NOW + 1, write=True, budget=1, count_budget=50)[0]
     assert tally.rebuilt == 1 and tally.stale == 39
