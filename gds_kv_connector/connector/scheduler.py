@@ -870,9 +870,8 @@ def _no_output() -> None:
 def _ref_to(scheduler_output: Any) -> Callable[[], Any]:
     """The last scheduler output, for telling a rebuild (the same object given again) from a new
     plan, held weakly where its type allows: a strong reference would keep it, and every request
-    report in it, alive until the next iteration, whose callback would then pay for freeing it
-    (about 15 us of executor time for 64 decode reports), time TensorRT-LLM spends anyway where it
-    drops the output."""
+    report in it, alive until the next iteration, whose callback would then pay for freeing it on
+    the executor thread, time TensorRT-LLM spends anyway where it drops the output."""
     try:
         return weakref.ref(scheduler_output)
     except TypeError:  # a type without weak references (__slots__): kept one iteration longer
