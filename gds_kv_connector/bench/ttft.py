@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -313,10 +314,11 @@ def _estimate(worker: GdsKvConnectorWorker, tokens: int, bytes_per_token: int) -
     """What the policy knows before its run: the load rate, and the expected times of the prefix."""
     est = worker.estimates
     rate = est.rate.bytes_per_s()
-    load_s = est.rate.seconds_for(tokens * bytes_per_token)
+    nbytes = tokens * bytes_per_token
+    load_s = est.rate.seconds_for(nbytes, parked=nbytes > worker.settings.async_load_bytes)
     compute_s = est.forwards.cost.prefill_s(0, tokens)
     return {"load_GBps": None if rate is None else round(rate / 1e9, 3),
-            "load_s": None if load_s is None else round(load_s, 6),
+            "load_s": None if load_s is None else round(load_s, 6), "load_fixed_s": round(est.rate.fixed_s(), 6),
             "compute_s": None if compute_s is None else round(compute_s, 6)}
 
 
@@ -441,6 +443,8 @@ def _run_model(geo: Geometry, device: torch.device, lengths: list[int], bases: d
     ``deadline``, is skipped with a line."""
     _progress(args, t0, f"{geo.name}: random weights ({geo.weight_bytes() / 1e9:.1f} GB)")
     decoder = Decoder(geo, device)
+    decoder.warm_up(min(max(lengths), WARM_TOKENS), args.tokens_per_block)
+    _free_device(device)
     last: dict[str, float] = {}
     try:
         for length in lengths:
@@ -505,6 +509,9 @@ def _device_room(device: torch.device) -> int:
 
 
 def _free_device(device: torch.device) -> None:
+    """Give a finished cell's memory back: its executor and worker refer to each other (callbacks), so
+    its pool tensor is freed only by the cycle collector, and only then can the allocator return it."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()

@@ -158,6 +158,22 @@ class Decoder:
         gate.mul_(h @ w.up)
         return x + gate @ w.down
 
+    def warm_up(self, tokens: int, tokens_per_block: int) -> None:
+        """Run every kernel of a forward once, outside any connector, as a server warms its model up
+        before it serves: a prompt of ``tokens`` computed, then its last block again over the pages
+        (the path of a suffix after a loaded prefix), on a pool of its own that is freed after."""
+        g, blocks = self.geo, -(-tokens // tokens_per_block)
+        pool = torch.zeros((blocks, g.layers, 2, g.kv_heads * tokens_per_block * g.head_dim),
+                           dtype=torch.bfloat16, device=self.device)
+        kv, pages = self.pool_view(pool, tokens_per_block), list(range(blocks))
+        prompt = list(range(tokens))
+        for start in (0, max(1, tokens - tokens_per_block)):
+            span = self.span(pages, start, tokens, tokens_per_block)
+            x = self.embed_tokens(prompt[start:])
+            for index in range(g.layers):
+                x = self.layer(index, x, kv, span)
+            self.next_token(x[-1])
+
     def next_token(self, last: torch.Tensor) -> int:
         """The greedy token after the hidden state of the last position (synchronizes the device)."""
         h = F.rms_norm(last, (self.geo.hidden,), self.norm, NORM_EPS)

@@ -13,7 +13,12 @@ its KV.  Both sides are measured in the serving process, never configured:
   never a configured or benched one, since a pessimistic figure would never be corrected (nothing
   would be loaded to measure it), and a page cache, a neighbour's traffic or another owner's
   arena make a host's figure change while it serves.  Being wrong costs one slow load per
-  :data:`REPROBE_S`.
+  :data:`REPROBE_S`.  An asynchronous load also costs time that no byte explains: its batches
+  wait for a transfer thread and the forward's event, and its request resumes only once a poll
+  (``get_finished``) reports it.  Each such load is timed from its acceptance to that poll; what it
+  took beyond its bytes (and those queued ahead of it) at the measured rate is faded into
+  :meth:`LoadRate.fixed_s`, which a parked load is expected to cost on top of its bytes.  Against
+  a short prefix, whose compute takes milliseconds, this decides.
 * compute time: :class:`ForwardCost`, the seconds of this worker's forwards that compute prompt
   tokens, fitted to ``fixed + a * tokens + b * attention pairs`` (a token at position ``p``
   attends ``p + 1`` keys: prefill cost grows with the context, and a 128k-token prefix costs
@@ -31,8 +36,7 @@ parks its request while the GPU computes other requests, so it costs the GPU not
 the prefix's compute, and is offered whenever it is expected to finish; a synchronous one holds
 the whole batch's forward for its duration and follows the latency rule.  Every mode but
 ``always`` declines a load expected to take more than half the transfer deadline (it would fail
-the process).  A parked request resumes at the first iteration after its load, which neither
-rule counts: a decode step, milliseconds.  The decision is the whole prefix or nothing: the
+the process).  The decision is the whole prefix or nothing: the
 compute a shorter prefix would save grows faster than its load time (attention), so when the
 whole prefix does not beat computing it, no shorter one does.
 """
@@ -59,6 +63,8 @@ REPROBE_S = 60.0
 RATE_HALF_BYTES = 1 << 30
 # A busy period is cut into samples of at most this long, so a pool that is never idle still updates.
 SAMPLE_S = 1.0
+# A parked load's fixed cost fades by this factor per newer load: about the last 5 loads count.
+FIXED_FORGET = 0.8
 # Forward samples fade by this factor per newer sample: about the last 20 prefill forwards count.
 FORGET = 0.95
 # Feature units (1, kilotokens, megapairs) and the ridge on each coefficient.  The ridge only
@@ -90,7 +96,11 @@ class LoadRate:
         self._sum_bytes = 0.0  # faded sums of the samples: their ratio is the rate
         self._sum_s = 0.0
         self._last = -math.inf  # when the last sample was taken
+        self._fixed_sum = self._fixed_n = 0.0  # faded sums of the parked loads' fixed costs
         self.queued_bytes = 0
+
+    def now(self) -> float:
+        return self._clock()
 
     def queue(self, nbytes: int) -> None:
         with self._lock:
@@ -114,6 +124,22 @@ class LoadRate:
                     self._fold(self._bytes, now - self._since, now)
                 self._since, self._bytes, self._tainted = now, 0, False
 
+    def settled(self, seconds: float, nbytes: int) -> None:
+        """An asynchronous load was reported done ``seconds`` after its acceptance, behind ``nbytes``
+        of loads (its own and those queued ahead of it): its time beyond those bytes at the measured
+        rate is one sample of a parked load's fixed cost (module docstring)."""
+        rate = self.bytes_per_s()
+        if rate is None:
+            return
+        with self._lock:
+            self._fixed_sum = self._fixed_sum * FIXED_FORGET + max(0.0, seconds - nbytes / rate)
+            self._fixed_n = self._fixed_n * FIXED_FORGET + 1.0
+
+    def fixed_s(self) -> float:
+        """Seconds a parked load is expected to cost beyond its bytes; 0 before any was measured."""
+        with self._lock:
+            return self._fixed_sum / self._fixed_n if self._fixed_n else 0.0
+
     def _fold(self, nbytes: int, seconds: float, now: float) -> None:
         if now - self._last > REPROBE_S:  # what was known before the gap says nothing now
             self._sum_bytes = self._sum_s = 0.0
@@ -129,10 +155,13 @@ class LoadRate:
                 return None
             return self._sum_bytes / self._sum_s
 
-    def seconds_for(self, nbytes: int) -> float | None:
-        """Expected time until a load of ``nbytes`` submitted now has moved its last byte."""
+    def seconds_for(self, nbytes: int, parked: bool = False) -> float | None:
+        """Expected time until a load of ``nbytes`` submitted now has moved its last byte, and for a
+        ``parked`` (asynchronous) one, until its request may resume."""
         rate = self.bytes_per_s()
-        return None if rate is None else (max(self.queued_bytes, 0) + nbytes) / rate
+        if rate is None:
+            return None
+        return (max(self.queued_bytes, 0) + nbytes) / rate + (self.fixed_s() if parked else 0.0)
 
 
 class ForwardCost:
@@ -286,7 +315,7 @@ class LoadPolicy:
 
     def offers(self, first_block: int, blocks: int, is_async: bool) -> bool:
         """Whether to load blocks ``[first_block, first_block + blocks)`` rather than compute them."""
-        load_s = self.estimates.rate.seconds_for(blocks * self._block_bytes)
+        load_s = self.estimates.rate.seconds_for(blocks * self._block_bytes, parked=is_async)
         if load_s is None:
             return True  # not measured yet, or not for REPROBE_S: load, and measure
         compute_s = self.estimates.forwards.cost.prefill_s(first_block * self._tpb, blocks * self._tpb)

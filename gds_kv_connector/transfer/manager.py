@@ -79,6 +79,7 @@ class _Batch:
     views_done: bool = False
     released: bool = False
     ahead: bool = False  # staged, it stopped counting against transfer_threads (stage_ahead)
+    watch: _Watch | None = None  # an asynchronous load's submission, for the load meter
 
     @property
     def shared(self) -> bool:
@@ -93,11 +94,28 @@ class ConnectorFailure(RuntimeError):
 
 class LoadMeter(Protocol):
     """What the manager tells about its loads to whoever estimates their speed
-    (``connector.load_policy.LoadRate``): bytes accepted and settled, and each batch's start and end."""
+    (``connector.load_policy.LoadRate``): bytes accepted and settled, each batch's start and end, and
+    for each asynchronous load, the time from its acceptance to the poll that settled its last batch."""
 
+    queued_bytes: int
+
+    def now(self) -> float: ...
     def queue(self, nbytes: int) -> None: ...
     def started(self) -> None: ...
     def ended(self, nbytes: int) -> None: ...
+    def settled(self, seconds: float, nbytes: int) -> None: ...
+
+
+@dataclass
+class _Watch:
+    """One submission of asynchronous loads, timed for the load meter: accepted at ``since`` (the
+    meter's clock) behind ``nbytes`` less its own of queued loads; done when ``left`` batches have
+    settled, none failed or stopped (its time would not be a load's)."""
+
+    since: float
+    nbytes: int
+    left: int
+    spoiled: bool = False
 
 
 class TransferManager:
@@ -221,8 +239,14 @@ class TransferManager:
             if res_left is not None:
                 for res in _reservations_in(group):
                     res_left[res] = res_left.get(res, 0) + 1
-        if kind != "save" and self._load_meter is not None:
-            self._load_meter.queue(sum(b.nbytes for b in batches))
+        meter = self._load_meter
+        if kind != "save" and meter is not None:
+            nbytes = sum(b.nbytes for b in batches)
+            if kind == "load":
+                watch = _Watch(meter.now(), meter.queued_bytes + nbytes, len(batches))
+                for b in batches:
+                    b.watch = watch
+            meter.queue(nbytes)
         self._inflight += batches
         self._queues[_QUEUE_OF[kind]].extend(batches)
         self._exec.submit(_fan_out, self._exec, min(len(batches), threads), self._run_queued)
@@ -493,6 +517,8 @@ class TransferManager:
                 self._uncount(batch)
             if kind != "save" and self._load_meter is not None:
                 self._load_meter.queue(-batch.nbytes)
+                if batch.watch is not None:
+                    self._watch_settled(batch.watch, cancelled or exc is not None or batch.stopped)
             if kind == "load":
                 for op in batch.ops:
                     if not op.reservation:
@@ -516,6 +542,13 @@ class TransferManager:
                     self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch),
                                         tokens_loaded=_blocks(batch.run) * self.pool.tokens_per_block)
         self._inflight = still
+
+    def _watch_settled(self, watch: _Watch, spoiled: bool) -> None:
+        """One batch of ``watch`` settled; with its last, the submission's time goes to the load meter."""
+        watch.left -= 1
+        watch.spoiled |= spoiled
+        if watch.left == 0 and not watch.spoiled and self._load_meter is not None:
+            self._load_meter.settled(self._load_meter.now() - watch.since, watch.nbytes)
 
     def _settle_reservations(self, batch: _Batch, exc: BaseException | None) -> None:
         """Take a settled load batch off its reservations' counts; one whose last batch settled is done."""

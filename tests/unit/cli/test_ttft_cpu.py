@@ -51,7 +51,7 @@ def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
         assert r["break_even_GBps"] == pytest.approx(
             r["kv_bytes_per_token"] * r["prompt_tokens"] / r["ttft_compute_s"] / 1e9, rel=0.01, abs=1e-3)
         assert len(r["policy_loaded"]) == len(r["runs"]["policy_s"]) == 1
-        assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "compute_s"}
+        assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "compute_s"}
     disk = [r for r in res["rows"] if r["source"] == "disk"]
     assert all(r["cold"]["method"] == "posix_fadvise(DONTNEED)" and r["cold"]["fadvise_files"] > 0 for r in disk)
     assert [t["pass"] for t in res["targets"]][0] is None  # the 8B target is not run at --quick

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
-from gds_kv_connector.connector.load_policy import REPROBE_S, ForwardCost, LoadRate
+from gds_kv_connector.connector.load_policy import REPROBE_S, ForwardClock, ForwardCost, LoadEstimates, LoadPolicy, LoadRate
 from gds_kv_connector.engines.fileops import FileOps
 from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
 from tests.support.connector_helpers import rand_tokens
@@ -196,6 +196,59 @@ def test_load_rate_counts_overlapping_batches_once_and_drops_failed_periods():
     assert rate.seconds_for(1 << 30) == pytest.approx((2 << 30) / ((400 << 20) / 0.4))
     clock.advance(REPROBE_S + 1)
     assert rate.bytes_per_s() is None and rate.seconds_for(1) is None
+
+
+def test_each_parked_load_reports_its_time_from_acceptance_to_the_poll(rig):
+    """The manager times every asynchronous load from its acceptance to the poll that settles it,
+    behind the bytes queued ahead of it and its own: the samples of a parked load's fixed cost."""
+    ex, _ = rig(bandwidth=2e9)
+    rate = ex.worker.estimates.rate
+    calls = []
+    settled = rate.settled
+    rate.settled = lambda seconds, nbytes: (calls.append((seconds, nbytes)), settled(seconds, nbytes))
+    warmed(ex)  # one load: the probe of 9 blocks, above TLLM_GDS_KV_ASYNC_LOAD_BYTES
+    assert len(calls) == 1
+    seconds, nbytes = calls[0]
+    assert nbytes == 9 * ex.worker.pool.payload_len
+    assert seconds >= nbytes / 2e9  # its reads alone advanced the clock this far
+    assert rate.fixed_s() == pytest.approx(max(0.0, seconds - nbytes / rate.bytes_per_s()))
+
+
+def test_load_rate_fixed_cost_of_parked_loads():
+    clock = SimClock()
+    rate = LoadRate("test", clock)
+    rate.settled(1.0, 1 << 20)  # no rate measured yet: nothing to subtract its bytes with
+    assert rate.fixed_s() == 0.0
+    rate.started()
+    clock.advance(0.01)
+    rate.ended(10_000_000)  # 1 GB/s
+    rate.settled(0.01 + 0.02, 10_000_000)
+    assert rate.fixed_s() == pytest.approx(0.02)
+    assert rate.seconds_for(10_000_000, parked=True) == pytest.approx(0.03)
+    assert rate.seconds_for(10_000_000) == pytest.approx(0.01)  # a synchronous load is not parked
+    rate.settled(0.005, 10_000_000)  # faster than its bytes: no negative cost
+    assert rate.fixed_s() == pytest.approx(0.8 * 0.02 / 1.8)
+
+
+def test_a_parked_load_costs_its_fixed_part_so_a_short_prefix_is_computed():
+    """At 50 GB/s a 1k-token prefix of 128 KiB per token loads in 2.7 ms and computes in 25 ms; with
+    30 ms from a parked load's acceptance to its request's resume beyond that, computing it is
+    sooner; a 4k one (10.7 ms of bytes, 100 ms of compute) still loads, and a synchronous load
+    (no parking) of the 1k one too."""
+    clock = SimClock()
+    rate = LoadRate("test", clock)
+    rate.started()
+    clock.advance(1.0)
+    rate.ended(50_000_000_000)
+    rate.settled(0.030 + 0.1, 5_000_000_000)
+    cost = ForwardCost()
+    for n in (1024, 4096, 16384):
+        cost.add(0.005 + 25e-6 * n, n, 0)
+    policy = LoadPolicy("latency", LoadEstimates(rate, ForwardClock(cost, lambda s: None, lambda a, b: None)),
+                        block_bytes=TPB * BYTES_PER_TOKEN, tokens_per_block=TPB, deadline_s=60.0)
+    assert not policy.offers(0, 1024 // TPB, is_async=True)
+    assert policy.offers(0, 4096 // TPB, is_async=True)
+    assert policy.offers(0, 1024 // TPB, is_async=False)
 
 
 def test_forward_cost_separates_fixed_token_and_attention_cost():
