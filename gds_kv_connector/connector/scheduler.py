@@ -174,7 +174,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         # The last plan built, for TensorRT-LLM's rebuild of a bound plan from the same scheduler output
         # (after it releases an unstarted load): the output, the requests it named, and the plan.
         self._serial = 0
-        self._last_out: Callable[[], Any] = _no_output  # a reference that does not keep it alive (_ref_to)
+        self._last_out: Callable[[], Any] = _no_output  # a reference that does not keep it alive (build_connector_meta)
         self._last_rids: list[int] = []
         self._last_meta: GdsKvMetadata | None = None
 
@@ -535,22 +535,41 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
 
         The same scheduler output given again is TensorRT-LLM rebuilding the plan it bound, after
         taking out a request whose load had not started (:meth:`_rebuild`)."""
+        # Runs every iteration on the executor thread: a helper call costs about a microsecond, so
+        # the steps that usually have nothing to do are tested here before their helper is called.
         if scheduler_output is self._last_out():
             return self._rebuild(scheduler_output)
         if self._forwards is not None:
             self._note_work(scheduler_output)
-        prefix_loads = getattr(scheduler_output, "prefix_loads", None) or ()
-        loads: list[LoadOp] = [op for pl in prefix_loads if (op := self._prefix_load(pl)) is not None]
+        prefix_loads = getattr(scheduler_output, "prefix_loads", None)
+        loads: list[LoadOp] = self._prefix_loads(prefix_loads) if prefix_loads else []
         saves: list[SaveOp] = []
-        new = scheduler_output.new_requests
-        self._fold_reports(new, True, saves)
-        self._fold_reports(scheduler_output.cached_requests, False, saves)
-        self._flush_match_counts()
-        loads += self._take_loads(new)
-        self._last_out = _ref_to(scheduler_output)
-        self._last_rids = _rids_named(scheduler_output)
-        self._last_meta = self._plan(loads, saves, 0)
-        return self._last_meta
+        new, cached = scheduler_output.new_requests, scheduler_output.cached_requests
+        if new:
+            self._fold_reports(new, True, saves)
+        self._fold_reports(cached, False, saves)
+        if self._match[0]:
+            self._flush_match_counts()
+        if self._out_loads:
+            loads += self._take_loads(new)
+        # The output is kept to tell a rebuild (the same object given again) from a new plan, weakly: a
+        # strong reference would keep it and every report in it alive until the next iteration, whose
+        # callback would then pay for freeing them, time TensorRT-LLM spends anyway where it drops it.
+        try:
+            self._last_out = weakref.ref(scheduler_output)
+        except TypeError:  # a type without weak references (__slots__): kept one iteration longer
+            self._last_out = lambda: scheduler_output
+        meta = self._plan(loads, saves, 0) if loads or saves or self._out_resets or self._out_cancels else None
+        # TensorRT-LLM rebuilds a plan after taking out a request whose load had not started: only a
+        # plan with work can be rebuilt with requests gone, so only its requests are named (a decode
+        # step's plan is None, and naming its requests every iteration is most of its cost here).
+        self._last_rids = _rids_named(scheduler_output) if meta is not None else []
+        self._last_meta = meta
+        return meta
+
+    def _prefix_loads(self, prefix_loads: Sequence[Any]) -> list[LoadOp]:
+        """The loads of this output's accepted prefix reservations not handed over yet."""
+        return [op for pl in prefix_loads if (op := self._prefix_load(pl)) is not None]
 
     def _note_work(self, scheduler_output: Any) -> None:
         """The tokens this plan's forward computes, for the load policy's compute estimate: each
@@ -865,17 +884,6 @@ def _request_id(request: Any) -> int:
 
 def _no_output() -> None:
     return None
-
-
-def _ref_to(scheduler_output: Any) -> Callable[[], Any]:
-    """The last scheduler output, for telling a rebuild (the same object given again) from a new
-    plan, held weakly where its type allows: a strong reference would keep it, and every request
-    report in it, alive until the next iteration, whose callback would then pay for freeing it on
-    the executor thread, time TensorRT-LLM spends anyway where it drops the output."""
-    try:
-        return weakref.ref(scheduler_output)
-    except TypeError:  # a type without weak references (__slots__): kept one iteration longer
-        return lambda: scheduler_output
 
 
 def _rids_named(scheduler_output: Any) -> list[int]:

@@ -163,6 +163,28 @@ def test_a_plans_output_is_not_kept_alive_and_a_rebuild_is_still_told_apart(pool
         worker.shutdown()
 
 
+def test_a_decode_steps_output_given_again_is_not_folded_twice(pool_env, monkeypatch):
+    """A decode step's plan is None and its requests are not named (nothing in it can be rebuilt with
+    requests gone), but the same output given again is still a rebuild: its reports are not folded again
+    (generated tokens saved eagerly, so a decode report is folded)."""
+    monkeypatch.setenv("TLLM_GDS_KV_SAVE_GENERATED", "eager")
+    sched, worker = _pair()
+    try:
+        req = SimRequest(2, OTHER, tokens=list(OTHER))
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, [0, 1, 2])
+        assert sched.build_connector_meta(SchedulerOutput(new_requests=[RequestData(2, list(OTHER), [0, 1, 2], 0,
+                                                                                    len(OTHER))])) is not None
+        step = SchedulerOutput(cached_requests=[RequestData(2, [7], [], len(OTHER), 1)])
+        tokens = len(sched._reqs[2].tokens)
+        assert sched.build_connector_meta(step) is None
+        assert sched.build_connector_meta(step) is None
+        assert len(sched._reqs[2].tokens) == tokens + 1
+        assert 2 in sched._reqs  # nothing taken out, nothing dropped
+    finally:
+        worker.shutdown()
+
+
 def _gc(root, quota: int) -> None:
     """``gds-kv gc`` in a process of its own, as an operator runs it."""
     env = dict(os.environ, TLLM_GDS_KV_ROOT=str(root))
