@@ -109,8 +109,9 @@ class LoadMeter(Protocol):
 @dataclass
 class _Watch:
     """One submission of asynchronous loads, timed for the load meter: accepted at ``since`` (the
-    meter's clock) behind ``nbytes`` less its own of queued loads; done when ``left`` batches have
-    settled, none failed or stopped (its time would not be a load's)."""
+    meter's clock), ``nbytes`` its own bytes and those of the loads queued ahead of it then; done when
+    its ``left`` batches have settled, reported only if none failed or stopped (its time would not be
+    a load's)."""
 
     since: float
     nbytes: int
