@@ -594,7 +594,7 @@ def fold_stale_logs(root: str, live_keys: Iterable[bytes] | Container[bytes], ol
             return 0
         if dead_at_most is not None and dead_at_most < (1 - ARCHIVE_KEEP_FRACTION) * archived:
             return 0
-    latest = _newest_per_key(np.concatenate([_read_records(p) for p in [archive, *taken]]).astype(_RECORDS))
+    latest = _newest_per_key(np.concatenate([_read_records(p) for p in [archive, *taken]]))
     # a list is a container too, but a slow one: only a set-like or custom one is used as given
     live = live_keys if isinstance(live_keys, Container) and not isinstance(live_keys, Sequence) \
         else set(live_keys)  # type: ignore[arg-type]
