@@ -559,7 +559,7 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._last_out = weakref.ref(scheduler_output)
         except TypeError:  # a type without weak references (__slots__): kept one iteration longer
             self._last_out = lambda: scheduler_output
-        meta = self._plan(loads, saves, 0) if loads or saves or self._out_resets or self._out_cancels else None
+        meta = self._plan(loads, saves, 0)
         # TensorRT-LLM rebuilds a plan after taking out a request whose load had not started: only a
         # plan with work can be rebuilt with requests gone, so only its requests are named (a decode
         # step's plan is None, and naming its requests every iteration is most of its cost here).

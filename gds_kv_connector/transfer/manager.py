@@ -519,7 +519,7 @@ class TransferManager:
             if kind != "save" and self._load_meter is not None:
                 self._load_meter.queue(-batch.nbytes)
                 if batch.watch is not None:
-                    self._watch_settled(batch.watch, cancelled or exc is not None or batch.stopped)
+                    _watch_settled(self._load_meter, batch.watch, cancelled or exc is not None or batch.stopped)
             if kind == "load":
                 for op in batch.ops:
                     if not op.reservation:
@@ -543,13 +543,6 @@ class TransferManager:
                     self.stats.add_many(loads_async=len(batch.run), bytes_loaded=self._run_bytes(batch),
                                         tokens_loaded=_blocks(batch.run) * self.pool.tokens_per_block)
         self._inflight = still
-
-    def _watch_settled(self, watch: _Watch, spoiled: bool) -> None:
-        """One batch of ``watch`` settled; with its last, the submission's time goes to the load meter."""
-        watch.left -= 1
-        watch.spoiled |= spoiled
-        if watch.left == 0 and not watch.spoiled and self._load_meter is not None:
-            self._load_meter.settled(self._load_meter.now() - watch.since, watch.nbytes)
 
     def _settle_reservations(self, batch: _Batch, exc: BaseException | None) -> None:
         """Take a settled load batch off its reservations' counts; one whose last batch settled is done."""
@@ -849,6 +842,14 @@ class TransferManager:
 def _blocks(ops: Iterable[Any]) -> int:
     """How many blocks the ops move."""
     return sum(len(op.keys) for op in ops)
+
+
+def _watch_settled(meter: LoadMeter, watch: _Watch, spoiled: bool) -> None:
+    """One batch of ``watch`` settled; with its last, the submission's time goes to ``meter``."""
+    watch.left -= 1
+    watch.spoiled |= spoiled
+    if watch.left == 0 and not watch.spoiled:
+        meter.settled(meter.now() - watch.since, watch.nbytes)
 
 
 def _wait_event(event: Any) -> None:
