@@ -12,6 +12,12 @@ random prompt three times, one request at a time:
   into other pages, which are then compared byte for byte with the pages the first request computed;
 * policy: the same prompt again, under the policy (``--policy``), which loads or computes.
 
+The load and policy runs take turns going first (run to run; a cell run once serves its prompt's
+pair twice, once each way round), so what drifts between two runs on a host (a disk's read rate,
+caches warmed by the run before) does not fall on one of them: the policy is compared with the
+path it chose, not with the order it ran in.  The computed pages are held out of the free pages
+until the pairs are done, so every load is compared with them whatever ran in between.
+
 Time to first token runs from the request's arrival to its first token on the host: admission and
 the match, the load (asynchronous: the request is parked, and resumes once the load is polled
 done), the forward of the uncached suffix and the greedy first token (``.item()``, which waits for
@@ -36,6 +42,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -98,16 +105,17 @@ def parse_lengths(text: str) -> list[int]:
 
 
 @dataclass
-class Run:
-    """The figures of one serving of a cell's prompt in each way."""
+class Pair:
+    """One load run and one policy run of a computed prompt, in the order ``policy_first`` says."""
 
-    compute_s: float
     load_s: float
     policy_s: float
     loaded_tokens: int
     policy_loaded_tokens: int
     verified: bool
+    policy_first: bool
     estimate: dict[str, Any] = field(default_factory=dict)
+    cold: dict[str, Any] | None = None  # how the disk pool was made cold before the load
 
 
 class _Unhashed(PrefixHashes):
@@ -128,6 +136,18 @@ class TtftExecutor(ReferenceExecutor):
         self.first_token_at: dict[int, float] = {}
         self.pages: dict[int, list[int]] = {}  # each request's pages at its first token
         self._last: dict[int, torch.Tensor] = {}
+
+    def hold(self, pages: list[int]) -> None:
+        """Keep a finished request's ``pages`` out of the free pages (their bytes stay as they are)."""
+        held = set(pages)
+        rest = [p for p in self.free if p not in held]
+        if len(rest) != len(self.free) - len(held):
+            raise RuntimeError("hold: some of the pages are not free")
+        self.free = deque(rest)
+
+    def release(self, pages: list[int]) -> None:
+        """Give pages :meth:`hold` kept back to the free pages."""
+        self.free.extend(pages)
 
     def _forward(self, batch: list[SimRequest]) -> None:
         dec, tpb = self.decoder, self.cfg.shape.tokens_per_block
@@ -183,6 +203,11 @@ class Cell:
     @property
     def runs(self) -> int:
         return self.args.repeat if self.length <= REPEAT_MAX_TOKENS else 1
+
+    @property
+    def pairs(self) -> int:
+        """Load and policy pairs per computed prompt: two (each order once) when the prompt is the only one."""
+        return 1 if self.runs > 1 else 2
 
     @property
     def block_bytes(self) -> int:
@@ -269,36 +294,58 @@ def _slab_bytes(need: int) -> int:
 
 def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
     """Serve the cell's prompts each way (module docstring); its row."""
-    args = cell.args
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(cell.geo.vocab) for _ in range(n)]
     cold = drops = None
-    runs: list[Run] = []
+    computes: list[float] = []
+    pairs: list[Pair] = []
     with rig(cell) as (ex, measure, policy):
         rid = iter(range(1, 1 << 30))
         warm = prompt(min(cell.length, WARM_TOKENS))
         ttft(ex, next(rid), warm)
         drops = _cold(cell)
         ttft(ex, next(rid), warm)
-        for _ in range(cell.runs):
+        for i in range(cell.runs):
             p = prompt(cell.length)
             ex.sched = measure
-            compute_s, _, computed_pages = ttft(ex, next(rid), p)
-            cold = _cold(cell) or cold
-            scribble_next(ex, cell.blocks)
-            load_s, loaded, pages = ttft(ex, next(rid), p)
-            verified = same_bytes(ex, computed_pages[:loaded // args.tokens_per_block],
-                                  pages[:loaded // args.tokens_per_block])
-            _cold(cell)
-            estimate = _estimate(ex.worker, loaded, cell.block_bytes // args.tokens_per_block)
-            ex.sched = policy
-            policy_s, policy_loaded, _ = ttft(ex, next(rid), p)
-            runs.append(Run(compute_s, load_s, policy_s, loaded, policy_loaded, verified, estimate))
+            compute_s, _, computed = ttft(ex, next(rid), p)
+            computes.append(compute_s)
+            ex.hold(computed)
+            try:
+                for k in range(cell.pairs):
+                    pair = _serve_pair(cell, ex, measure, policy, p, computed, rid, policy_first=(i + k) % 2 == 1)
+                    cold = pair.cold or cold
+                    pairs.append(pair)
+            finally:
+                ex.release(computed)
         stats = ex.worker.stats.snapshot()
         engine = ex.worker.transfers.engine.data_path()
-    return _row(cell, runs, cold or drops, stats, engine)
+    return _row(cell, computes, pairs, cold or drops, stats, engine)
+
+
+def _serve_pair(cell: Cell, ex: TtftExecutor, measure: Any, policy: Any, p: list[int], computed: list[int],
+                rid: Iterator[int], policy_first: bool) -> Pair:
+    """The computed prompt ``p`` served again with every match loaded and under the policy, a disk
+    pool made cold before each; the load's pages compared with the ``computed`` ones."""
+    tpb = cell.args.tokens_per_block
+    got: dict[str, Any] = {}
+    for way in (("policy", "load") if policy_first else ("load", "policy")):
+        cold = _cold(cell)
+        if way == "load":
+            ex.sched = measure
+            scribble_next(ex, cell.blocks)
+            got["load_s"], got["loaded"], pages = ttft(ex, next(rid), p)
+            n = got["loaded"] // tpb
+            got["verified"] = same_bytes(ex, computed[:n], pages[:n])
+            got["cold"] = cold
+        else:
+            got["estimate"] = _estimate(ex.worker, len(p) - 1 - (len(p) - 1) % tpb, cell.block_bytes // tpb)
+            ex.sched = policy
+            got["policy_s"], got["policy_loaded"], _ = ttft(ex, next(rid), p)
+    return Pair(got["load_s"], got["policy_s"], got["loaded"], got["policy_loaded"], got["verified"], policy_first,
+                got["estimate"], got["cold"])
 
 
 def _cold(cell: Cell) -> dict[str, Any] | None:
@@ -327,11 +374,12 @@ def _median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def _row(cell: Cell, runs: list[Run], cold: dict | None, stats: dict[str, int], engine: str) -> dict[str, Any]:
-    compute_s = _median([r.compute_s for r in runs])
-    load_s = _median([r.load_s for r in runs])
-    policy_s = _median([r.policy_s for r in runs])
-    loaded = runs[0].loaded_tokens
+def _row(cell: Cell, computes: list[float], pairs: list[Pair], cold: dict | None, stats: dict[str, int],
+         engine: str) -> dict[str, Any]:
+    compute_s = _median(computes)
+    load_s = _median([r.load_s for r in pairs])
+    policy_s = _median([r.policy_s for r in pairs])
+    loaded = pairs[0].loaded_tokens
     per_token = cell.geo.kv_bytes_per_token
     return {
         "model": cell.geo.name, "prompt_tokens": cell.length, "source": cell.source,
@@ -339,14 +387,15 @@ def _row(cell: Cell, runs: list[Run], cold: dict | None, stats: dict[str, int], 
         "ttft_compute_s": round(compute_s, 6), "ttft_load_s": round(load_s, 6), "ttft_policy_s": round(policy_s, 6),
         "ratio": round(load_s / compute_s, 4),
         "policy_vs_best": round(policy_s / min(load_s, compute_s), 4),
-        "policy_loaded": [r.policy_loaded_tokens > 0 for r in runs],
+        "policy_loaded": [r.policy_loaded_tokens > 0 for r in pairs],
+        "policy_first": [r.policy_first for r in pairs],
         "loaded_tokens": loaded, "loaded_bytes": loaded * per_token, "kv_bytes_per_token": per_token,
         "break_even_GBps": round(per_token * cell.length / compute_s / 1e9, 3),
         "load_GBps": round(loaded * per_token / load_s / 1e9, 3),
-        "verified": all(r.verified for r in runs) and bool(loaded),
-        "runs": {"compute_s": [round(r.compute_s, 6) for r in runs], "load_s": [round(r.load_s, 6) for r in runs],
-                 "policy_s": [round(r.policy_s, 6) for r in runs]},
-        "policy_estimate": runs[-1].estimate, "cold": cold,
+        "verified": all(r.verified for r in pairs) and bool(loaded),
+        "runs": {"compute_s": [round(c, 6) for c in computes], "load_s": [round(r.load_s, 6) for r in pairs],
+                 "policy_s": [round(r.policy_s, 6) for r in pairs]},
+        "policy_estimate": pairs[-1].estimate, "cold": cold,
         "policy_loads_declined": stats.get("policy_loads_declined", 0),
     }
 

@@ -50,7 +50,10 @@ def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
         assert r["loaded_tokens"] == (r["prompt_tokens"] - 1) // 32 * 32
         assert r["break_even_GBps"] == pytest.approx(
             r["kv_bytes_per_token"] * r["prompt_tokens"] / r["ttft_compute_s"] / 1e9, rel=0.01, abs=1e-3)
-        assert len(r["policy_loaded"]) == len(r["runs"]["policy_s"]) == 1
+        # a cell run once (--quick) serves its prompt's load and policy pair twice, once each way round
+        assert len(r["runs"]["compute_s"]) == 1
+        assert len(r["policy_loaded"]) == len(r["runs"]["policy_s"]) == len(r["runs"]["load_s"]) == 2
+        assert r["policy_first"] == [False, True]
         assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "compute_s"}
     disk = [r for r in res["rows"] if r["source"] == "disk"]
     assert all(r["cold"]["method"] == "posix_fadvise(DONTNEED)" and r["cold"]["fadvise_files"] > 0 for r in disk)
