@@ -1,6 +1,6 @@
 """Two checkouts' bench figures, legs alternated in one sitting, side by side.
 
-    python profiling/ab.py --base DIR [--pairs 2] [--out DIR] [--label NAME] -- BENCH_ARGS...
+    python profiling/ab.py --base DIR [--pairs 2] [--budget-s S] [--out DIR] [--label NAME] -- BENCH_ARGS...
 
 Runs ``gds-kv bench BENCH_ARGS`` alternately in this checkout and in ``--base`` (another checkout
 with its own built extension: each leg imports the package of the tree it runs in, which is
@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--out", default="ab-out")
     ap.add_argument("--label", help="the base tree's name in the table (default: its git commit or directory)")
     ap.add_argument("--leg-timeout-s", type=float, default=600.0)
+    ap.add_argument("--budget-s", type=float, help="start no pair that the slowest pair so far says would end "
+                    "past this many seconds from the start; the table holds the pairs done")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the arguments for gds-kv bench")
     a = ap.parse_args()
     bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
@@ -139,7 +141,12 @@ def main() -> None:
     for tree, label in trees:
         _check_import(tree, _env(tree, label))
     legs: list[tuple[str, dict[str, float]]] = []
+    start, slowest = time.monotonic(), 0.0
     for pair in range(a.pairs):
+        if a.budget_s is not None and time.monotonic() - start + slowest > a.budget_s:
+            print(f"ab.py: {pair} of {a.pairs} pairs in the budget ({a.budget_s:g} s)", flush=True)
+            break
+        began = time.monotonic()
         for tree, label in trees:
             stem = os.path.join(os.path.abspath(a.out), f"{label}-{pair}")
             cmd = [sys.executable, "-m", "gds_kv_connector.cli", "bench", *bench_args, "--json", stem + ".json",
@@ -153,9 +160,10 @@ def main() -> None:
                 raise SystemExit(f"ab.py: the bench failed in {tree} (rc {rc}); see {stem}.log")
             with open(stem + ".json") as fh:
                 legs.append((label, _rows(json.load(fh))))
+        slowest = max(slowest, time.monotonic() - began)
     table = summarize(legs, this_label, base_label)
     with open(os.path.join(a.out, "ab.json"), "w") as fh:
-        json.dump({"this": this_label, "base": base_label, "pairs": a.pairs, "bench_args": bench_args,
+        json.dump({"this": this_label, "base": base_label, "pairs": len(legs) // 2, "bench_args": bench_args,
                    "table": table}, fh, indent=1)
     width = max(len(t["figure"]) for t in table) if table else 10
     print(f"{'figure':<{width}}  {this_label + ' (legs)':<22} {base_label + ' (legs)':<22} ratio")

@@ -16,7 +16,9 @@ The load and policy runs take turns going first (run to run; a cell run once ser
 pair twice, once each way round), so what drifts between two runs on a host (a disk's read rate,
 caches warmed by the run before) does not fall on one of them: the policy is compared with the
 path it chose, not with the order it ran in.  The computed pages are held out of the free pages
-until the pairs are done, so every load is compared with them whatever ran in between.
+until the pairs are done, so every load is compared with them whatever ran in between.  Each run's
+row in the JSON also says where its time went (``phases_ms``: milliseconds from arrival to
+admission, to a parked load's report, to the first forward and to the first token).
 
 Time to first token runs from the request's arrival to its first token on the host: admission and
 the match, the load (asynchronous: the request is parked, and resumes once the load is polled
@@ -70,6 +72,10 @@ SCRIBBLE = 0xA5
 # The issue's targets; the bench prints PASS/MISS and never asserts.
 HOST_TARGET = ("llama-3.1-8b", 32768, 0.10)  # host-memory pool: load TTFT at most this fraction of recompute
 POLICY_SLACK = 1.10  # with the policy: TTFT within 10% of the better of load and recompute
+# Where a request's time to first token goes, stamped on the host: admitted (the match and the
+# policy's decision made), loaded (a parked load reported done by get_finished), forward (its first
+# forward starts), first_token (sampled, the device waited for).
+PHASES = ("admitted", "loaded", "forward", "first_token")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +122,8 @@ class Pair:
     policy_first: bool
     estimate: dict[str, Any] = field(default_factory=dict)
     cold: dict[str, Any] | None = None  # how the disk pool was made cold before the load
+    load_phases: dict[str, float] = field(default_factory=dict)
+    policy_phases: dict[str, float] = field(default_factory=dict)
 
 
 class _Unhashed(PrefixHashes):
@@ -135,6 +143,7 @@ class TtftExecutor(ReferenceExecutor):
         self.kv = decoder.pool_view(self.pool, config.shape.tokens_per_block)
         self.first_token_at: dict[int, float] = {}
         self.pages: dict[int, list[int]] = {}  # each request's pages at its first token
+        self.marks: dict[int, dict[str, float]] = {}  # each request's phases (PHASES), host clock
         self._last: dict[int, torch.Tensor] = {}
 
     def hold(self, pages: list[int]) -> None:
@@ -149,7 +158,26 @@ class TtftExecutor(ReferenceExecutor):
         """Give pages :meth:`hold` kept back to the free pages."""
         self.free.extend(pages)
 
+    def _admit(self, limit: int | None = None) -> bool:
+        out = super()._admit(limit)
+        now = time.perf_counter()
+        for r in self.reqs.values():
+            if r.state is not State.WAITING and r.request_id not in self.marks:
+                self.marks[r.request_id] = {"admitted": now}
+        return out
+
+    def _poll_finished(self) -> None:
+        parked = [r for r in self.reqs.values() if r.state is State.PARKED]
+        super()._poll_finished()
+        now = time.perf_counter()
+        for r in parked:
+            if r.state is not State.PARKED:
+                self.marks[r.request_id]["loaded"] = now
+
     def _forward(self, batch: list[SimRequest]) -> None:
+        now = time.perf_counter()
+        for r in batch:
+            self.marks[r.request_id].setdefault("forward", now)
         dec, tpb = self.decoder, self.cfg.shape.tokens_per_block
         work = []
         for r in batch:
@@ -214,14 +242,18 @@ class Cell:
         return self.geo.kv_bytes_per_token * self.args.tokens_per_block
 
 
-def ttft(ex: TtftExecutor, rid: int, prompt: list[int]) -> tuple[float, int, list[int]]:
-    """Serve ``prompt`` as request ``rid`` alone: (seconds to its first token, tokens it loaded, its pages)."""
+def ttft(ex: TtftExecutor, rid: int, prompt: list[int]) -> tuple[float, int, list[int], dict[str, float]]:
+    """Serve ``prompt`` as request ``rid`` alone: (seconds to its first token, tokens it loaded, its
+    pages, the milliseconds from its arrival to each of its PHASES that it passed)."""
     sync_device(ex.pool.device)
     ex.submit(SimRequest(rid, prompt, max_new_tokens=1, hashes=_Unhashed()))
     before = ex.stats.loaded_tokens
     t0 = time.perf_counter()
     ex.run_until_done()  # until its saves are done too: the next request finds them in the pool
-    return ex.first_token_at.pop(rid) - t0, ex.stats.loaded_tokens - before, ex.pages.pop(rid)
+    first = ex.first_token_at.pop(rid)
+    marks = {**ex.marks.pop(rid), "first_token": first}
+    phases = {name: round(1e3 * (marks[name] - t0), 3) for name in PHASES if name in marks}
+    return first - t0, ex.stats.loaded_tokens - before, ex.pages.pop(rid), phases
 
 
 def same_bytes(ex: TtftExecutor, a: list[int], b: list[int], chunk: int = 64) -> bool:
@@ -300,6 +332,7 @@ def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
         return [rng.randrange(cell.geo.vocab) for _ in range(n)]
     cold = drops = None
     computes: list[float] = []
+    compute_phases: list[dict[str, float]] = []
     pairs: list[Pair] = []
     with rig(cell) as (ex, measure, policy):
         rid = iter(range(1, 1 << 30))
@@ -310,8 +343,9 @@ def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
         for i in range(cell.runs):
             p = prompt(cell.length)
             ex.sched = measure
-            compute_s, _, computed = ttft(ex, next(rid), p)
+            compute_s, _, computed, phases = ttft(ex, next(rid), p)
             computes.append(compute_s)
+            compute_phases.append(phases)
             ex.hold(computed)
             try:
                 for k in range(cell.pairs):
@@ -322,7 +356,7 @@ def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
                 ex.release(computed)
         stats = ex.worker.stats.snapshot()
         engine = ex.worker.transfers.engine.data_path()
-    return _row(cell, computes, pairs, cold or drops, stats, engine)
+    return _row(cell, computes, compute_phases, pairs, cold or drops, stats, engine)
 
 
 def _serve_pair(cell: Cell, ex: TtftExecutor, measure: Any, policy: Any, p: list[int], computed: list[int],
@@ -336,16 +370,16 @@ def _serve_pair(cell: Cell, ex: TtftExecutor, measure: Any, policy: Any, p: list
         if way == "load":
             ex.sched = measure
             scribble_next(ex, cell.blocks)
-            got["load_s"], got["loaded"], pages = ttft(ex, next(rid), p)
+            got["load_s"], got["loaded"], pages, got["load_phases"] = ttft(ex, next(rid), p)
             n = got["loaded"] // tpb
             got["verified"] = same_bytes(ex, computed[:n], pages[:n])
             got["cold"] = cold
         else:
             got["estimate"] = _estimate(ex.worker, len(p) - 1 - (len(p) - 1) % tpb, cell.block_bytes // tpb)
             ex.sched = policy
-            got["policy_s"], got["policy_loaded"], _ = ttft(ex, next(rid), p)
+            got["policy_s"], got["policy_loaded"], _, got["policy_phases"] = ttft(ex, next(rid), p)
     return Pair(got["load_s"], got["policy_s"], got["loaded"], got["policy_loaded"], got["verified"], policy_first,
-                got["estimate"], got["cold"])
+                got["estimate"], got["cold"], got["load_phases"], got["policy_phases"])
 
 
 def _cold(cell: Cell) -> dict[str, Any] | None:
@@ -371,11 +405,12 @@ def _estimate(worker: GdsKvConnectorWorker, tokens: int, bytes_per_token: int) -
 
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _row(cell: Cell, computes: list[float], pairs: list[Pair], cold: dict | None, stats: dict[str, int],
-         engine: str) -> dict[str, Any]:
+def _row(cell: Cell, computes: list[float], compute_phases: list[dict[str, float]], pairs: list[Pair],
+         cold: dict | None, stats: dict[str, int], engine: str) -> dict[str, Any]:
     compute_s = _median(computes)
     load_s = _median([r.load_s for r in pairs])
     policy_s = _median([r.policy_s for r in pairs])
@@ -395,6 +430,8 @@ def _row(cell: Cell, computes: list[float], pairs: list[Pair], cold: dict | None
         "verified": all(r.verified for r in pairs) and bool(loaded),
         "runs": {"compute_s": [round(c, 6) for c in computes], "load_s": [round(r.load_s, 6) for r in pairs],
                  "policy_s": [round(r.policy_s, 6) for r in pairs]},
+        "phases_ms": {"compute": compute_phases, "load": [r.load_phases for r in pairs],
+                      "policy": [r.policy_phases for r in pairs]},
         "policy_estimate": pairs[-1].estimate, "cold": cold,
         "policy_loads_declined": stats.get("policy_loads_declined", 0),
     }

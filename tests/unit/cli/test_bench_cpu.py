@@ -303,19 +303,22 @@ def test_ab_names_an_exported_tree_inside_a_checkout_by_its_directory():
 
 
 def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
-    """An A/A run (the base is this checkout): both trees' legs measured, the table in ab.json."""
+    """An A/A run (the base is this checkout): both trees' legs measured, the table in ab.json; a
+    second pair that the first says would end past --budget-s is not started, and the table holds
+    the pair done (a device call's time limit must not lose the legs run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TLLM_GDS_KV_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     out = tmp_path / "ab"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "profiling", "ab.py"), "--base", REPO, "--pairs", "1", "--out", str(out),
+        [sys.executable, os.path.join(REPO, "profiling", "ab.py"), "--base", REPO, "--pairs", "2", "--budget-s", "1", "--out", str(out),
          "--", "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB", "--no-baselines",
          "--no-executor", "--no-overlap", "--shm-dir", str(tmp_path / "shm")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "ab.json") as fh:
         res = json.load(fh)
-    assert res["base"] == res["this"] + "-base"
+    assert res["base"] == res["this"] + "-base" and res["pairs"] == 1
+    assert "ab.py: 1 of 2 pairs in the budget (1 s)" in proc.stdout
     rows = {t["figure"]: t for t in res["table"]}
     modes = {name[len("shm "):-len(" save 256K GB/s")] for name in rows if name.endswith(" save 256K GB/s")}
     assert len(modes) == 1, sorted(rows)  # the pool kind --shm-dir gives (block files on a plain tmp dir)

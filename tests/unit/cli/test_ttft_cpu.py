@@ -54,6 +54,14 @@ def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
         assert len(r["runs"]["compute_s"]) == 1
         assert len(r["policy_loaded"]) == len(r["runs"]["policy_s"]) == len(r["runs"]["load_s"]) == 2
         assert r["policy_first"] == [False, True]
+        # where each run's time went, in order (these loads are synchronous: no parked phase)
+        phases = r["phases_ms"]
+        assert [len(phases[k]) for k in ("compute", "load", "policy")] == [1, 2, 2]
+        for run in phases["compute"] + phases["load"] + phases["policy"]:
+            assert list(run) == ["admitted", "forward", "first_token"], run
+            assert list(run.values()) == sorted(run.values()), run
+        assert [run["first_token"] for run in phases["load"]] == pytest.approx(
+            [1e3 * s for s in r["runs"]["load_s"]], rel=1e-3, abs=1e-3)
         assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "compute_s"}
     disk = [r for r in res["rows"] if r["source"] == "disk"]
     assert all(r["cold"]["method"] == "posix_fadvise(DONTNEED)" and r["cold"]["fadvise_files"] > 0 for r in disk)
@@ -78,6 +86,30 @@ def test_a_load_that_writes_nothing_fails_the_comparison(tmp_path, monkeypatch):
                     "--disk-dir", str(tmp_path / "disk"), "--no-drop-caches", "--no-progress"])
     res = json.loads(out.read_text())
     assert rc == 0 and [r["verified"] for r in res["rows"]] == [False]
+
+
+def test_a_parked_load_is_stamped_when_its_report_comes(tmp_path, monkeypatch):
+    """A load above the asynchronous threshold parks its request: the run's phases say when
+    get_finished reported it, between its admission and its first forward."""
+    import contextlib
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    bench_env = ttft.connector_env
+
+    @contextlib.contextmanager
+    def small_async_loads(*a, **kw):  # the bench sets the connector's environment; this one setting added
+        with bench_env(*a, **kw):
+            os.environ["TLLM_GDS_KV_ASYNC_LOAD_BYTES"] = "4096"
+            yield
+    monkeypatch.setattr(ttft, "connector_env", small_async_loads)
+    out = tmp_path / "ttft.json"
+    rc = ttft.main(["--quick", "--device", "cpu", "--lengths", "256", "--sources", "shm", "--json", str(out),
+                    "--shm-dir", str(tmp_path / "shm"), "--no-progress"])
+    row = json.loads(out.read_text())["rows"][0]
+    assert rc == 0 and row["loaded_tokens"] > 0
+    for run in row["phases_ms"]["load"]:
+        assert list(run) == ["admitted", "loaded", "forward", "first_token"], run
+        assert list(run.values()) == sorted(run.values()), run
 
 
 def test_lengths_take_k_for_1024():
