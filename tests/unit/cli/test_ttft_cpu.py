@@ -112,5 +112,26 @@ def test_a_parked_load_is_stamped_when_its_report_comes(tmp_path, monkeypatch):
         assert list(run.values()) == sorted(run.values()), run
 
 
+def _row(model, tokens, compute_ms, load_ms, policy_ms, loaded):
+    return {"model": model, "prompt_tokens": tokens, "source": "shm", "ratio": load_ms / compute_ms,
+            "ttft_compute_s": compute_ms / 1e3, "ttft_load_s": load_ms / 1e3, "ttft_policy_s": policy_ms / 1e3,
+            "policy_vs_best": policy_ms / min(load_ms, compute_ms), "policy_loaded": loaded}
+
+
+def test_a_choice_is_judged_by_its_paths_median_apart_from_the_spread_of_its_run():
+    """A policy run that loaded where loading's median is the better path counts as a right choice
+    even when that run was slow; one that loaded where loading is over 10% slower does not."""
+    rows = [_row("llama-3.1-8b", 1024, 27.0, 38.0, 39.0, [True, True, False]),   # loading is the slower path
+            _row("llama-3.1-8b", 2048, 50.0, 33.0, 39.0, [True, True, True]),    # right choice, slow runs
+            _row("llama-3.1-8b", 32768, 1300.0, 125.0, 124.0, [True])]
+    assert [ttft.choices_ok(r) for r in rows] == [[False, False, True], [True, True, True], [True]]
+    host, policy, choices = ttft.evaluate_targets(rows)
+    assert host["pass"] is True and policy["name"].startswith("policy TTFT / min(load, recompute)")
+    assert policy["pass"] is False and policy["where"] == "llama-3.1-8b 1024 shm"
+    assert choices["name"].startswith("policy runs that chose a path")
+    assert choices["value"] == "5 of 7" and choices["where"] == "llama-3.1-8b 1024 shm" and choices["pass"] is False
+    assert ttft.evaluate_targets(rows[1:])[2]["pass"] is True
+
+
 def test_lengths_take_k_for_1024():
     assert ttft.parse_lengths("1k,2k,512,128k") == [1024, 2048, 512, 131072]
