@@ -364,25 +364,38 @@ def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
 
 def _serve_pair(cell: Cell, ex: TtftExecutor, measure: Any, policy: Any, p: list[int], computed: list[int],
                 rid: Iterator[int], policy_first: bool) -> Pair:
-    """The computed prompt ``p`` served again with every match loaded and under the policy, a disk
-    pool made cold before each; the load's pages compared with the ``computed`` ones."""
+    """The computed prompt ``p`` served again with every match loaded and under the policy, in the
+    order ``policy_first`` says, a disk pool made cold before each."""
+    runs = {"load": lambda: _serve_load(cell, ex, measure, p, computed, next(rid)),
+            "policy": lambda: _serve_policy(cell, ex, policy, p, next(rid))}
+    got = {way: runs[way]() for way in (("policy", "load") if policy_first else ("load", "policy"))}
+    (load_s, loaded, verified, load_phases, cold), (policy_s, policy_loaded, policy_phases, estimate) = (
+        got["load"], got["policy"])
+    return Pair(load_s, policy_s, loaded, policy_loaded, verified, policy_first, estimate, cold, load_phases,
+                policy_phases)
+
+
+def _serve_load(cell: Cell, ex: TtftExecutor, measure: Any, p: list[int], computed: list[int],
+                rid: int) -> tuple[float, int, bool, dict[str, float], dict[str, Any] | None]:
+    """``p`` with every match loaded: (TTFT, tokens loaded, whether the loaded pages hold the
+    ``computed`` pages' bytes, its phases, how the pool was made cold)."""
+    cold = _cold(cell)
+    ex.sched = measure
+    scribble_next(ex, cell.blocks)
+    seconds, loaded, pages, phases = ttft(ex, rid, p)
+    n = loaded // cell.args.tokens_per_block
+    return seconds, loaded, same_bytes(ex, computed[:n], pages[:n]), phases, cold
+
+
+def _serve_policy(cell: Cell, ex: TtftExecutor, policy: Any, p: list[int],
+                  rid: int) -> tuple[float, int, dict[str, float], dict[str, Any]]:
+    """``p`` under the policy: (TTFT, tokens loaded, its phases, what the policy knew before it)."""
+    _cold(cell)
     tpb = cell.args.tokens_per_block
-    got: dict[str, Any] = {}
-    for way in (("policy", "load") if policy_first else ("load", "policy")):
-        cold = _cold(cell)
-        if way == "load":
-            ex.sched = measure
-            scribble_next(ex, cell.blocks)
-            got["load_s"], got["loaded"], pages, got["load_phases"] = ttft(ex, next(rid), p)
-            n = got["loaded"] // tpb
-            got["verified"] = same_bytes(ex, computed[:n], pages[:n])
-            got["cold"] = cold
-        else:
-            got["estimate"] = _estimate(ex.worker, len(p) - 1 - (len(p) - 1) % tpb, cell.block_bytes // tpb)
-            ex.sched = policy
-            got["policy_s"], got["policy_loaded"], _, got["policy_phases"] = ttft(ex, next(rid), p)
-    return Pair(got["load_s"], got["policy_s"], got["loaded"], got["policy_loaded"], got["verified"], policy_first,
-                got["estimate"], got["cold"], got["load_phases"], got["policy_phases"])
+    estimate = _estimate(ex.worker, len(p) - 1 - (len(p) - 1) % tpb, cell.block_bytes // tpb)
+    ex.sched = policy
+    seconds, loaded, _, phases = ttft(ex, rid, p)
+    return seconds, loaded, phases, estimate
 
 
 def _cold(cell: Cell) -> dict[str, Any] | None:
