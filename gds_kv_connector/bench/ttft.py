@@ -448,9 +448,26 @@ def _row(cell: Cell, computes: list[float], compute_phases: list[dict[str, float
                  "policy_s": [round(r.policy_s, 6) for r in pairs]},
         "phases_ms": {"compute": compute_phases, "load": [r.load_phases for r in pairs],
                       "policy": [r.policy_phases for r in pairs]},
+        "spans_ms": {"compute": spans(compute_phases), "load": spans([r.load_phases for r in pairs])},
         "policy_estimate": pairs[-1].estimate, "cold": cold,
         "policy_loads_declined": stats.get("policy_loads_declined", 0),
     }
+
+
+def spans(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over ``runs`` of the milliseconds between their phases: ``to_admitted`` (arrival to
+    admission: the match and the decision), ``parked`` (admission to the load's report, for runs
+    whose load was asynchronous), ``to_forward`` (from the later of those to the first forward) and
+    ``forward`` (the first forward and the first token)."""
+    parts: dict[str, list[float]] = {"to_admitted": [], "parked": [], "to_forward": [], "forward": []}
+    for run in runs:
+        ready = run.get("loaded", run["admitted"])
+        parts["to_admitted"].append(run["admitted"])
+        if "loaded" in run:
+            parts["parked"].append(run["loaded"] - run["admitted"])
+        parts["to_forward"].append(run["forward"] - ready)
+        parts["forward"].append(run["first_token"] - run["forward"])
+    return {name: round(_median(values), 3) for name, values in parts.items() if values}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -680,6 +697,15 @@ def render(res: dict[str, Any]) -> str:
                      f"{r['load_GBps']:>7.2f}  {'yes' if r['verified'] else 'NO':<8}  {cold}")
     lines.append("  ratio = load TTFT / recompute TTFT; break-even = KV bytes per token x prompt tokens per second "
                  "of recompute; load GB/s = KV loaded / load TTFT")
+    lines.append("  where the time went, medians in ms: compute (to admission, to its forward, forward and first "
+                 "token) | load (to admission, parked until reported, to its forward, forward and first token; a "
+                 "synchronous load's bytes are waited for in its forward)")
+    for r in res["rows"]:
+        c, ld = r["spans_ms"]["compute"], r["spans_ms"]["load"]
+        lines.append(f"  {r['model']:<18} {r['prompt_tokens']:>7} {r['source']:<5} "
+                     f"{c['to_admitted']:>7.1f} {c['to_forward']:>7.1f} {c['forward']:>8.1f} | "
+                     f"{ld['to_admitted']:>7.1f} {_ms(ld.get('parked')):>8} {ld['to_forward']:>7.1f} "
+                     f"{ld['forward']:>8.1f}")
     for s in res["skipped"]:
         lines.append(f"  skipped {s['model']} {s['prompt_tokens']} {s['source']}: {s['reason']}")
     for t in res.get("targets", []):
@@ -688,6 +714,11 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"  [{verdict}] {t['name']}: {t['value']}{where} (goal {t['goal']})")
     lines += [f"note: {n}" for n in res["notes"]] + [f"error: {e}" for e in res["errors"]]
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    """``value`` to one decimal; ``-`` where the runs had no such phase (a synchronous load is never parked)."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def plot(res: dict[str, Any], path: str) -> str:

@@ -60,6 +60,8 @@ def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
         for run in phases["compute"] + phases["load"] + phases["policy"]:
             assert list(run) == ["admitted", "forward", "first_token"], run
             assert list(run.values()) == sorted(run.values()), run
+        assert set(r["spans_ms"]["load"]) == {"to_admitted", "to_forward", "forward"}  # never parked
+        assert sum(r["spans_ms"]["compute"].values()) == pytest.approx(phases["compute"][0]["first_token"], abs=1e-2)
         assert [run["first_token"] for run in phases["load"]] == pytest.approx(
             [1e3 * s for s in r["runs"]["load_s"]], rel=1e-3, abs=1e-3)
         assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "compute_s"}
@@ -110,6 +112,9 @@ def test_a_parked_load_is_stamped_when_its_report_comes(tmp_path, monkeypatch):
     for run in row["phases_ms"]["load"]:
         assert list(run) == ["admitted", "loaded", "forward", "first_token"], run
         assert list(run.values()) == sorted(run.values()), run
+    spans, runs = row["spans_ms"]["load"], row["phases_ms"]["load"]
+    assert spans["parked"] == pytest.approx(
+        sum(run["loaded"] - run["admitted"] for run in runs) / len(runs), abs=2e-3)  # two runs: their mean
 
 
 def _row(model, tokens, compute_ms, load_ms, policy_ms, loaded):
