@@ -414,9 +414,12 @@ def _estimate(worker: GdsKvConnectorWorker, tokens: int, bytes_per_token: int) -
     nbytes = tokens * bytes_per_token
     load_s = est.rate.seconds_for(nbytes, parked=nbytes > worker.settings.async_load_bytes)
     compute_s = est.forwards.cost.prefill_s(0, tokens)
+    fit = est.forwards.cost.coefficients()
     return {"load_GBps": None if rate is None else round(rate / 1e9, 3),
             "load_s": None if load_s is None else round(load_s, 6), "load_fixed_s": round(est.rate.fixed_s(), 6),
-            "compute_s": None if compute_s is None else round(compute_s, 6)}
+            "compute_s": None if compute_s is None else round(compute_s, 6),
+            # the forward's fitted cost (load_policy.ForwardCost): fixed seconds, per 1e3 tokens, per 1e6 pairs
+            "compute_fit": None if fit is None else [round(c, 6) for c in fit]}
 
 
 def _median(values: list[float]) -> float:
