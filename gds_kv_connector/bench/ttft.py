@@ -393,7 +393,7 @@ def _serve_policy(cell: Cell, ex: TtftExecutor, policy: Any, p: list[int],
     """``p`` under the policy: (TTFT, tokens loaded, its phases, what the policy knew before it)."""
     _cold(cell)
     tpb = cell.args.tokens_per_block
-    estimate = _estimate(ex.worker, len(p) - 1 - (len(p) - 1) % tpb, cell.block_bytes // tpb)
+    estimate = _estimate(policy, (len(p) - 1) // tpb, cell.block_bytes)
     ex.sched = policy
     seconds, loaded, _, phases = ttft(ex, rid, p)
     return seconds, loaded, phases, estimate
@@ -408,16 +408,19 @@ def _cold(cell: Cell) -> dict[str, Any] | None:
     return out
 
 
-def _estimate(worker: GdsKvConnectorWorker, tokens: int, bytes_per_token: int) -> dict[str, Any]:
-    """What the policy knows before its run: the load rate, and the expected times of the prefix."""
-    est = worker.estimates
+def _estimate(policy: GdsKvConnectorScheduler, blocks: int, block_bytes: int) -> dict[str, Any]:
+    """What ``policy`` (the policy's scheduler) expects before its run, for a prefix of ``blocks``
+    from the first: the load rate, what a load costs beyond its bytes, and the expected times."""
+    decide = policy.load_policy
+    est = decide.estimates
+    parked = blocks * block_bytes > policy.settings.async_load_bytes
+    load_s, compute_s = decide.expected(0, blocks, parked)
     rate = est.rate.bytes_per_s()
-    nbytes = tokens * bytes_per_token
-    load_s = est.rate.seconds_for(nbytes, parked=nbytes > worker.settings.async_load_bytes)
-    compute_s = est.forwards.cost.prefill_s(0, tokens)
     fit = est.forwards.cost.coefficients()
     return {"load_GBps": None if rate is None else round(rate / 1e9, 3),
             "load_s": None if load_s is None else round(load_s, 6), "load_fixed_s": round(est.rate.fixed_s(), 6),
+            # a loaded request's first forward beyond its work's, and its resume (ForwardClock.after_load_s)
+            "after_load_s": round(est.forwards.after_load_s(parked), 6),
             "compute_s": None if compute_s is None else round(compute_s, 6),
             # the forward's fitted cost (load_policy.ForwardCost): fixed seconds, per 1e3 tokens, per 1e6 pairs
             "compute_fit": None if fit is None else [round(c, 6) for c in fit]}

@@ -28,6 +28,13 @@ its KV.  Both sides are measured in the serving process, never configured:
   work (:meth:`ForwardClock.note_work`).  A forward that computes no prompt token (decode only)
   says nothing about prefill and is not a sample.  The fixed part is paid by the forward that
   follows a load too, so computing a prefix is expected to cost ``a * tokens + b * pairs``.
+* what a load costs after its bytes: the first forward of a request whose prefix was loaded is
+  not a compute sample (what it costs beyond its tokens is the load's: its suffix attends to KV
+  read from the pages, and a fit that took it in would move a prefill's cost into the fixed part,
+  where the load path pays it too); its time beyond the fit's prediction for its work is faded
+  into :meth:`ForwardClock.after_load_s`, and for a parked request so is the time from the poll
+  that reported its load to that forward's start (its resume).  A load is expected to cost that
+  on top of its bytes and, parked, :meth:`LoadRate.fixed_s`.
 
 Modes: ``always`` offers every match (no measurement; the default, as before this setting);
 ``latency`` offers a prefix when its expected load time is below its expected compute time, for
@@ -63,7 +70,8 @@ REPROBE_S = 60.0
 RATE_HALF_BYTES = 1 << 30
 # A busy period is cut into samples of at most this long, so a pool that is never idle still updates.
 SAMPLE_S = 1.0
-# A parked load's fixed cost fades by this factor per newer load: about the last 5 loads count.
+# What a load costs beyond its bytes (a parked load's fixed cost, a loaded request's forward and
+# resume) fades by this factor per newer load: about the last 5 loads count.
 FIXED_FORGET = 0.8
 # Forward samples fade by this factor per newer sample: about the last 20 prefill forwards count.
 FORGET = 0.95
@@ -73,6 +81,9 @@ FORGET = 0.95
 TOKEN_UNIT, PAIR_UNIT = 1e3, 1e6
 RIDGE = (1e-3, 1e-9, 1e-5)
 MAX_PENDING_FORWARDS = 64  # timed forwards whose end has not been read yet (a stuck stream drops the oldest)
+# Parked requests whose load was reported and whose first forward has not started yet, at most: one
+# the runtime never schedules (cancelled while parked) is forgotten once this many came after it.
+MAX_RESUMING = 4096
 
 
 class LoadRate:
@@ -96,7 +107,7 @@ class LoadRate:
         self._sum_bytes = 0.0  # faded sums of the samples: their ratio is the rate
         self._sum_s = 0.0
         self._last = -math.inf  # when the last sample was taken
-        self._fixed_sum = self._fixed_n = 0.0  # faded sums of the parked loads' fixed costs
+        self._fixed = [0.0, 0.0]  # faded sum and count of the parked loads' fixed costs
         self.queued_bytes = 0
 
     def now(self) -> float:
@@ -132,13 +143,12 @@ class LoadRate:
         if rate is None:
             return
         with self._lock:
-            self._fixed_sum = self._fixed_sum * FIXED_FORGET + max(0.0, seconds - nbytes / rate)
-            self._fixed_n = self._fixed_n * FIXED_FORGET + 1.0
+            _fade(self._fixed, max(0.0, seconds - nbytes / rate))
 
     def fixed_s(self) -> float:
         """Seconds a parked load is expected to cost beyond its bytes; 0 before any was measured."""
         with self._lock:
-            return self._fixed_sum / self._fixed_n if self._fixed_n else 0.0
+            return _faded_mean(self._fixed)
 
     def _fold(self, nbytes: int, seconds: float, now: float) -> None:
         if now - self._last > REPROBE_S:  # what was known before the gap says nothing now
@@ -246,52 +256,116 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
 
 
 class ForwardClock:
-    """Times the worker's forwards that compute prompt tokens and feeds :class:`ForwardCost`.
+    """Times the worker's forwards that compute prompt tokens: feeds :class:`ForwardCost`, and
+    measures what a loaded prefix costs its request after its bytes (:meth:`after_load_s`).
 
     ``mark(stream)`` stamps a point on the forward stream (a CUDA timing event, or the host clock
     for a host pool) and ``elapsed(start, end)`` reads the seconds between two stamps, None while
     the end has not been reached; stamps are read without waiting, in :meth:`collect` (the
     worker's ``get_finished``, every iteration).  The scheduler adds each iteration's work before
-    its forward (:meth:`note_work`); a forward takes all the work noted since the last one."""
+    its forward (:meth:`note_work`); a forward takes all the work noted since the last one.  The
+    worker says when a parked request's load was reported done (:meth:`loads_reported`), on the
+    host clock ``now``."""
 
     def __init__(self, cost: ForwardCost, mark: Callable[[Any], Any],
-                 elapsed: Callable[[Any, Any], float | None]) -> None:
+                 elapsed: Callable[[Any, Any], float | None], now: Callable[[], float] = time.monotonic) -> None:
         self.cost = cost
-        self._mark, self._elapsed = mark, elapsed
+        self._mark, self._elapsed, self._now = mark, elapsed, now
         self._tokens = self._pairs = 0
         self._prefill = False
+        self._after: list[int] = []  # requests of the noted work on their first forward after a load
         self._start: Any = None
-        self._pending: deque[tuple[Any, Any, int, int]] = deque(maxlen=MAX_PENDING_FORWARDS)
+        self._begun = 0.0  # host time of the forward's start, for the resumes of its parked requests
+        self._pending: deque[tuple[Any, Any, int, int, bool, list[float]]] = deque(maxlen=MAX_PENDING_FORWARDS)
+        self._reported: dict[int, float] = {}  # parked request -> when its load was reported done
+        self._reservations: dict[int, int] = {}  # parked prefix reservation -> its request
+        self._extra = [0.0, 0.0]  # faded sum and count: a loaded request's forward beyond the fit
+        self._resume = [0.0, 0.0]  # the same for a parked request's wait from its report to its forward
 
-    def note_work(self, spans: Iterable[tuple[int, int, bool]]) -> None:
-        """Scheduled work of one plan: (tokens computed before, tokens scheduled, whether prompt) per request."""
+    def note_work(self, spans: Iterable[tuple[int, int, bool]], after_load: Iterable[int] = ()) -> None:
+        """Scheduled work of one plan: (tokens computed before, tokens scheduled, whether prompt) per
+        request, and the requests among them on their first forward after a prefix load."""
         for before, n, prompt in spans:
             self._tokens += n
             self._pairs += n * before + n * (n + 1) // 2
             self._prefill |= prompt
+        self._after.extend(after_load)
+
+    def expect_reservation(self, reservation: int, request_id: int) -> None:
+        """A parked prefix reservation's load was handed over: its report resumes ``request_id``."""
+        self._reservations[reservation] = request_id
+        _bound(self._reservations)
+
+    def loads_reported(self, request_ids: Iterable[int], reservations: Iterable[int] = ()) -> None:
+        """These parked requests' (and reservations') loads were reported done now."""
+        now, reported = self._now(), self._reported
+        for rid in request_ids:
+            reported[rid] = now
+        for res in reservations:
+            rid = self._reservations.pop(res, None)
+            if rid is not None:
+                reported[rid] = now
+        _bound(reported)
 
     def begin(self, stream: Any) -> None:
         """The forward's first layer is about to run (any synchronous load it waited for is in)."""
-        if self._prefill and self._start is None:
+        if (self._prefill or self._after) and self._start is None:
             self._start = self._mark(stream)
+            if self._after:
+                self._begun = self._now()
 
     def end(self, stream: Any) -> None:
         """The forward is queued (``wait_for_save``): its work becomes a sample once its end is reached."""
-        start, tokens, pairs = self._start, self._tokens, self._pairs
-        self._start, self._tokens, self._pairs, self._prefill = None, 0, 0, False
-        if start is not None:
-            self._pending.append((start, self._mark(stream), tokens, pairs))
-            self.collect()
+        start, tokens, pairs, after = self._start, self._tokens, self._pairs, self._after
+        self._start, self._tokens, self._pairs, self._prefill, self._after = None, 0, 0, False, []
+        if start is None:
+            return
+        waits = [self._begun - t for rid in after if (t := self._reported.pop(rid, None)) is not None]
+        self._pending.append((start, self._mark(stream), tokens, pairs, bool(after), waits))
+        self.collect()
 
     def collect(self) -> None:
         pending = self._pending
         while pending:
-            start, end, tokens, pairs = pending[0]
+            start, end, tokens, pairs, after, waits = pending[0]
             seconds = self._elapsed(start, end)
             if seconds is None:
                 return
             pending.popleft()
-            self.cost.add(seconds, tokens, pairs)
+            if after:
+                self._after_load(seconds, tokens, pairs, waits)
+            else:
+                self.cost.add(seconds, tokens, pairs)
+
+    def _after_load(self, seconds: float, tokens: int, pairs: int, waits: list[float]) -> None:
+        coef = self.cost.coefficients()
+        if coef is None:  # nothing to tell the load's part from the work's yet
+            return
+        expected = coef[0] + coef[1] * tokens / TOKEN_UNIT + coef[2] * pairs / PAIR_UNIT
+        _fade(self._extra, max(0.0, seconds - expected))
+        for wait in waits:
+            _fade(self._resume, max(0.0, wait))
+
+    def after_load_s(self, parked: bool) -> float:
+        """Seconds a loaded prefix is expected to cost its request beyond its bytes, once they are
+        in: its first forward's time beyond its work's, and for a ``parked`` one its resume."""
+        return _faded_mean(self._extra) + (_faded_mean(self._resume) if parked else 0.0)
+
+
+def _fade(acc: list[float], sample: float) -> None:
+    """Fold ``sample`` into a faded [sum, count] (about the last 5 count)."""
+    acc[0] = acc[0] * FIXED_FORGET + sample
+    acc[1] = acc[1] * FIXED_FORGET + 1.0
+
+
+def _faded_mean(acc: list[float]) -> float:
+    return acc[0] / acc[1] if acc[1] else 0.0
+
+
+def _bound(entries: dict[int, Any]) -> None:
+    """Forget the oldest of ``entries`` past :data:`MAX_RESUMING`."""
+    while len(entries) > MAX_RESUMING:
+        del entries[next(iter(entries))]
 
 
 @dataclass
@@ -313,12 +387,20 @@ class LoadPolicy:
         self._block_bytes, self._tpb, self._deadline_s = block_bytes, tokens_per_block, deadline_s
         self._last: bool | None = None
 
+    def expected(self, first_block: int, blocks: int, is_async: bool) -> tuple[float | None, float | None]:
+        """(seconds until blocks ``[first_block, first_block + blocks)`` loaded let their request
+        go on, seconds to compute them); each None while it is not measured."""
+        est = self.estimates
+        load_s = est.rate.seconds_for(blocks * self._block_bytes, parked=is_async)
+        if load_s is not None:
+            load_s += est.forwards.after_load_s(is_async)
+        return load_s, est.forwards.cost.prefill_s(first_block * self._tpb, blocks * self._tpb)
+
     def offers(self, first_block: int, blocks: int, is_async: bool) -> bool:
         """Whether to load blocks ``[first_block, first_block + blocks)`` rather than compute them."""
-        load_s = self.estimates.rate.seconds_for(blocks * self._block_bytes, parked=is_async)
+        load_s, compute_s = self.expected(first_block, blocks, is_async)
         if load_s is None:
             return True  # not measured yet, or not for REPROBE_S: load, and measure
-        compute_s = self.estimates.forwards.cost.prefill_s(first_block * self._tpb, blocks * self._tpb)
         if load_s > self._deadline_s / 2:
             offer = False
         elif self.mode == "throughput" and is_async:

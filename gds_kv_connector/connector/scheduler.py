@@ -201,6 +201,12 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             self._forwards = peer.estimates.forwards if peer.estimates is not None else None
         return self._peer
 
+    @property
+    def load_policy(self) -> LoadPolicy | None:
+        """The policy deciding this scheduler's loads (``TLLM_GDS_KV_LOAD_POLICY``); None for ``always``
+        and before the worker registered its KV cache."""
+        return self._policy
+
     def _load_policy(self, peer: PeerInfo) -> LoadPolicy | None:
         """The policy deciding whether a match is loaded; None for always (every match is)."""
         mode = self.settings.load_policy
@@ -576,13 +582,17 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         scheduled request's tokens and how many precede them (a synchronously loaded request's first
         report leaves its loaded tokens out of ``computed_position``; they are still attended to).
         A new request computes prompt tokens; a cached one does when it has more than one token
-        scheduled (a prompt chunk), a decode step otherwise."""
+        scheduled (a prompt chunk), a decode step otherwise.  A new request with a loaded prefix is
+        on its first forward after the load (``ForwardClock.after_load_s``)."""
         reqs = self._reqs
+        new = scheduler_output.new_requests
         spans = [(rd.computed_position + (st.sync_loaded_tokens if (st := reqs.get(rd.request_id)) else 0),
-                  rd.num_scheduled_tokens, True) for rd in scheduler_output.new_requests]
+                  rd.num_scheduled_tokens, True) for rd in new]
         spans += [(rd.computed_position, rd.num_scheduled_tokens, rd.num_scheduled_tokens > 1)
                   for rd in scheduler_output.cached_requests]
-        self._forwards.note_work(spans)
+        # a request's first report follows its load, if it had one: that forward is the load's to pay
+        loaded = [rd.request_id for rd in new if (st := reqs.get(rd.request_id)) and st.load_range[1] > st.load_range[0]]
+        self._forwards.note_work(spans, loaded)
 
     def _plan(self, loads: list[LoadOp], saves: list[SaveOp], replaces: int) -> GdsKvMetadata | None:
         """The metadata of these loads and saves, with the resets and cancels queued since the last."""
@@ -666,6 +676,8 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
             st.kv_end = max(st.kv_end, hi * tpb)
             if pl.is_async:
                 st.handed = (lo, hi)
+                if self._forwards is not None:
+                    self._forwards.expect_reservation(rid_res, pl.request_id)
             else:
                 st.sync_loaded_tokens = pl.end - pl.start  # what the runtime subtracts from its first report
             st.dispatched = True

@@ -122,7 +122,8 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
         if self.settings.load_policy != "always":
             self.estimates = LoadEstimates(LoadRate(f"{':'.join(self.pool.roots)} via {engine.data_path()}",
                                                     self._clock),
-                                           ForwardClock(ForwardCost(), *_forward_stamps(kv.device, self._clock)))
+                                           ForwardClock(ForwardCost(), *_forward_stamps(kv.device, self._clock),
+                                                        self._clock))
             self._forwards = self.estimates.forwards
         self.transfers = TransferManager(self.pool, engine, kv, self.settings, self.stats,
                                          on_saved=self.capacity.note_saved, record_event=self._record_event,
@@ -260,14 +261,20 @@ class GdsKvConnectorWorker(KvCacheConnectorWorker):
             self._confirm_async(started_loading_req_ids)
         if self._board is not None and self.transfers.has_async_loads:  # plain TP: cancels no metadata brought
             self._cancels_from_board()
-        return self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+        done = self.transfers.poll(list(finished_gen_req_ids), list(started_loading_req_ids))
+        if done[1] and self._forwards is not None:
+            self._forwards.loads_reported(done[1])
+        return done
 
     def get_finished_prefix_loads(self) -> List[int]:
         """Reservation ids whose accepted loads (``SchedulerOutput.prefix_loads``) have finished here,
         each once; a failed one raises ConnectorFailure, as a failed asynchronous load does."""
         if self.transfers is None:
             return []
-        return self.transfers.finished_reservations()
+        done = self.transfers.finished_reservations()
+        if done and self._forwards is not None:
+            self._forwards.loads_reported((), done)
+        return done
 
     def _cancels_from_board(self) -> None:
         """Stop the loads of requests the scheduler posted to its cancel board since the last read."""

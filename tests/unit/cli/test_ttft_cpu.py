@@ -64,7 +64,8 @@ def test_every_cell_has_its_times_ratios_and_break_even(quick_run):
         assert sum(r["spans_ms"]["compute"].values()) == pytest.approx(phases["compute"][0]["first_token"], abs=1e-2)
         assert [run["first_token"] for run in phases["load"]] == pytest.approx(
             [1e3 * s for s in r["runs"]["load_s"]], rel=1e-3, abs=1e-3)
-        assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "compute_s", "compute_fit"}
+        assert set(r["policy_estimate"]) == {"load_GBps", "load_s", "load_fixed_s", "after_load_s", "compute_s",
+                                               "compute_fit"}
     disk = [r for r in res["rows"] if r["source"] == "disk"]
     assert all(r["cold"]["method"] == "posix_fadvise(DONTNEED)" and r["cold"]["fadvise_files"] > 0 for r in disk)
     assert [t["pass"] for t in res["targets"]][0] is None  # the 8B target is not run at --quick

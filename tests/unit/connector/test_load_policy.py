@@ -17,7 +17,7 @@ import torch
 from gds_kv_connector import GdsKvConnectorScheduler, GdsKvConnectorWorker
 from gds_kv_connector.connector.load_policy import REPROBE_S, ForwardClock, ForwardCost, LoadEstimates, LoadPolicy, LoadRate
 from gds_kv_connector.engines.fileops import FileOps
-from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, fake_llm_args
+from gds_kv_connector.simulator import ExecutorConfig, ModelShape, ReferenceExecutor, SimRequest, State, fake_llm_args
 from tests.support.connector_helpers import rand_tokens
 
 TPB = 16
@@ -68,13 +68,33 @@ class PacedExecutor(ReferenceExecutor):
         self.clock.advance((self.stats.computed_tokens - before) / PREFILL_TOKENS_PER_S)
 
 
+class SlowAfterLoad(PacedExecutor):
+    """A paced executor where a loaded prefix costs its request more than its bytes: the first
+    forward after a load takes ``AFTER_LOAD_S`` longer than its tokens', and a parked request's
+    forward starts ``RESUME_S`` after the poll that reported its load."""
+
+    AFTER_LOAD_S, RESUME_S = 0.004, 0.002
+
+    def _forward(self, batch) -> None:
+        first_after_load = any(r.external and r.pos == r.external for r in batch)
+        super()._forward(batch)
+        if first_after_load:  # before wait_for_save: inside the forward the worker times
+            self.clock.advance(self.AFTER_LOAD_S)
+
+    def _poll_finished(self) -> None:
+        parked = [r for r in self.reqs.values() if r.state is State.PARKED]
+        super()._poll_finished()
+        if any(r.state is not State.PARKED for r in parked):
+            self.clock.advance(self.RESUME_S)
+
+
 @pytest.fixture
 def rig(pool_env, monkeypatch):
-    """``make(bandwidth, policy="latency", **env) -> (executor, clock)``, each over a pool of its own;
-    workers shut down at the end."""
+    """``make(bandwidth, policy="latency", executor=PacedExecutor, **env) -> (executor, clock)``, each
+    over a pool of its own; workers shut down at the end."""
     made = []
 
-    def make(bandwidth: float, policy: str = "latency", **env):
+    def make(bandwidth: float, policy: str = "latency", executor=PacedExecutor, **env):
         monkeypatch.setenv("TLLM_GDS_KV_ROOT", str(pool_env / f"pool{len(made)}"))
         monkeypatch.setenv("TLLM_GDS_KV_LOAD_POLICY", policy)
         for k, v in env.items():
@@ -83,8 +103,7 @@ def rig(pool_env, monkeypatch):
         llm_args = fake_llm_args(TPB)
         worker = GdsKvConnectorWorker(llm_args, fileops=PacedReads(clock, bandwidth), clock=clock)
         made.append(worker)
-        ex = PacedExecutor(GdsKvConnectorScheduler(llm_args), worker, ExecutorConfig(shape=SHAPE, num_blocks=48),
-                           clock)
+        ex = executor(GdsKvConnectorScheduler(llm_args), worker, ExecutorConfig(shape=SHAPE, num_blocks=48), clock)
         return ex, clock
     yield make
     for w in made:
@@ -266,3 +285,60 @@ def test_forward_cost_with_one_shape_seen_costs_tokens_linearly():
     cost.add(1.0, 32768, 32768 * 32769 // 2)
     assert cost.prefill_s(0, 32768) == pytest.approx(1.0, rel=1e-3)
     assert cost.prefill_s(0, 16384) == pytest.approx(0.5, rel=0.02)
+
+
+def test_what_a_load_costs_after_its_bytes_is_learned_and_a_short_prefix_computed(rig):
+    """At 50 GB/s an 80-token prefix's bytes take 0.2 ms against 2 ms of compute, but its request
+    resumes 2 ms after the poll and its first forward takes 4 ms more than its tokens': the policy
+    learns that from the probe's load and computes it; a 640-token one (1.7 ms of bytes, 16 ms of
+    compute) still loads.  The slow forward after a load is not a compute sample: the prefill fit
+    stays exact."""
+    ex, _ = rig(bandwidth=50e9, executor=SlowAfterLoad)
+    prompts = warmed(ex)
+    forwards = ex.worker.estimates.forwards
+    assert forwards.after_load_s(parked=False) == pytest.approx(SlowAfterLoad.AFTER_LOAD_S, rel=0.05)
+    assert forwards.after_load_s(parked=True) == pytest.approx(SlowAfterLoad.AFTER_LOAD_S + SlowAfterLoad.RESUME_S,
+                                                                rel=0.05)
+    assert forwards.cost.prefill_s(0, 4000) == pytest.approx(0.1, rel=1e-3)
+    assert loaded(ex, prompts[1], 20) == 0
+    long = rand_tokens(648, 4)
+    assert loaded(ex, long, 21) == 0  # computed and saved
+    assert loaded(ex, long, 22) == 640
+    # the same pool and forwards without the cost after a load: the short prefix loads
+    fast, _ = rig(bandwidth=50e9)
+    prompts = warmed(fast)
+    assert fast.worker.estimates.forwards.after_load_s(parked=True) == pytest.approx(0.0, abs=1e-9)
+    assert loaded(fast, prompts[1], 20) == 80
+
+
+def test_forward_clock_keeps_a_loaded_requests_forward_out_of_the_fit():
+    clock = SimClock()
+    cost = ForwardCost()
+    forwards = ForwardClock(cost, lambda stream: clock(), lambda start, end: end - start, clock)
+
+    def forward(tokens: int, seconds: float, before: int = 0, after_load: tuple[int, ...] = ()) -> None:
+        forwards.note_work([(before, tokens, True)], after_load)
+        forwards.begin(None)
+        clock.advance(seconds)
+        forwards.end(None)
+    assert forwards.after_load_s(parked=True) == 0.0
+    forward(32, 0.010, before=992, after_load=(1,))  # nothing fitted yet: no figure to subtract
+    assert forwards.after_load_s(parked=True) == 0.0 and cost.samples == 0
+    for n in (1024, 4096, 16384):
+        forward(n, 0.005 + 25e-6 * n)
+    fit = cost.coefficients()
+    forwards.loads_reported([7])
+    clock.advance(0.003)  # the parked request's forward starts 3 ms after its load's report
+    forward(32, 0.005 + 25e-6 * 32 + 0.010, before=992, after_load=(7,))
+    assert cost.samples == 3 and cost.coefficients() == fit
+    assert forwards.after_load_s(parked=False) == pytest.approx(0.010, abs=2e-4)
+    assert forwards.after_load_s(parked=True) == pytest.approx(0.013, abs=2e-4)
+    # a prefix reservation's report resumes the request it was made for; a synchronously loaded
+    # request (never reported) adds its forward's part only
+    forwards.expect_reservation(40, 9)
+    forwards.loads_reported((), [40])
+    clock.advance(0.003)
+    forward(32, 0.005 + 25e-6 * 32 + 0.010, before=992, after_load=(9,))
+    forward(32, 0.005 + 25e-6 * 32 + 0.010, before=992, after_load=(11,))
+    assert forwards.after_load_s(parked=True) == pytest.approx(0.013, abs=2e-4)
+    assert cost.samples == 3
