@@ -706,13 +706,15 @@ def render(res: dict[str, Any]) -> str:
                  "of recompute; load GB/s = KV loaded / load TTFT")
     lines.append("  where the time went, medians in ms: compute (to admission, to its forward, forward and first "
                  "token) | load (to admission, parked until reported, to its forward, forward and first token; a "
-                 "synchronous load's bytes are waited for in its forward)")
+                 "synchronous load's bytes are waited for in its forward) | what the policy expected before its "
+                 "last run: load (of it after the bytes), compute")
     for r in res["rows"]:
-        c, ld = r["spans_ms"]["compute"], r["spans_ms"]["load"]
+        c, ld, est = r["spans_ms"]["compute"], r["spans_ms"]["load"], r["policy_estimate"]
         lines.append(f"  {r['model']:<18} {r['prompt_tokens']:>7} {r['source']:<5} "
                      f"{c['to_admitted']:>7.1f} {c['to_forward']:>7.1f} {c['forward']:>8.1f} | "
                      f"{ld['to_admitted']:>7.1f} {_ms(ld.get('parked')):>8} {ld['to_forward']:>7.1f} "
-                     f"{ld['forward']:>8.1f}")
+                     f"{ld['forward']:>8.1f} | {_s_as_ms(est['load_s'])} ({_s_as_ms(est['after_load_s'])}), "
+                     f"{_s_as_ms(est['compute_s'])}")
     for s in res["skipped"]:
         lines.append(f"  skipped {s['model']} {s['prompt_tokens']} {s['source']}: {s['reason']}")
     for t in res.get("targets", []):
@@ -721,6 +723,10 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"  [{verdict}] {t['name']}: {t['value']}{where} (goal {t['goal']})")
     lines += [f"note: {n}" for n in res["notes"]] + [f"error: {e}" for e in res["errors"]]
     return "\n".join(lines)
+
+
+def _s_as_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
 def _ms(value: float | None) -> str:
