@@ -13,7 +13,7 @@ random prompt three times, one request at a time:
 * policy: the same prompt again, under the policy (``--policy``), which loads or computes.
 
 The load and policy runs take turns going first (run to run; a cell run once serves its prompt's
-pair twice, once each way round), so what drifts between two runs on a host (a disk's read rate,
+pairs two at a time, once each way round: ``Cell.more_pairs``), so what drifts between two runs on a host (a disk's read rate,
 caches warmed by the run before) does not fall on one of them: the policy is compared with the
 path it chose, not with the order it ran in.  The computed pages are held out of the free pages
 until the pairs are done, so every load is compared with them whatever ran in between.  Each run's
@@ -27,7 +27,10 @@ the device).  A disk pool is cold for each load: page cache dropped (``/proc/sys
 where permitted, else ``posix_fadvise(DONTNEED)`` on each file; the row says which).  Each cell
 first serves a short prompt computed and then loaded (not reported), so the transfer threads'
 staging and the kernels are warm, as in a serving process; it also gives the policy its first
-measurements, as a serving process's earlier requests would.
+measurements, as a serving process's earlier requests would.  Before the cells of a length of up to
+REPEAT_MAX_TOKENS the decoder runs that length's forwards (the whole prompt, and its last block after
+the rest) outside any connector, as a server's warm-up covers the shapes it serves: a shape's first
+forward builds kernel plans and can take twice as long, and the policy would learn that as compute.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ DEFAULT_REPEAT = 5
 # Cells of up to this many tokens are run --repeat times (the median reported): their times to first token
 # are tens of milliseconds, where one run is noisy; longer ones run once (their prompts' KV fills pools).
 REPEAT_MAX_TOKENS = 8192
+# A prompt computed once serves load and policy pairs, two at a time, while they fit in this many times
+# its compute, up to MAX_PAIRS (Cell.more_pairs).
+PAIRS_TIME, MAX_PAIRS = 2.0, 6
 GROWTH = 2.5  # a cell is expected to take this many times the previous one's (twice the tokens, attention)
 SCRIBBLE = 0xA5
 # The issue's targets; the bench prints PASS/MISS and never asserts.
@@ -236,10 +242,17 @@ class Cell:
     def runs(self) -> int:
         return self.args.repeat if self.length <= REPEAT_MAX_TOKENS else 1
 
-    @property
-    def pairs(self) -> int:
-        """Load and policy pairs per computed prompt: two (each order once) when the prompt is the only one."""
-        return 1 if self.runs > 1 else 2
+    def more_pairs(self, done: int, spent_s: float, compute_s: float) -> bool:
+        """Whether the computed prompt serves another load and policy pair, ``done`` served in
+        ``spent_s``: one per prompt of a repeated cell; a prompt computed once serves two (each order
+        once), and two more while all of them fit in :data:`PAIRS_TIME` times its compute, up to
+        :data:`MAX_PAIRS` (a host-memory load of tens of milliseconds moves run to run by more than
+        the policy's target, and such pairs are cheap beside the prompt's compute)."""
+        if self.runs > 1:
+            return done < 1
+        if done < 2 or done % 2:
+            return True
+        return done < MAX_PAIRS and spent_s / done * (done + 2) <= PAIRS_TIME * compute_s
 
     @property
     def block_bytes(self) -> int:
@@ -352,10 +365,12 @@ def run_cell(cell: Cell, seed: int) -> dict[str, Any]:
             compute_phases.append(phases)
             ex.hold(computed)
             try:
-                for k in range(cell.pairs):
+                k, started = 0, time.perf_counter()
+                while cell.more_pairs(k, time.perf_counter() - started, compute_s):
                     pair = _serve_pair(cell, ex, measure, policy, p, computed, rid, policy_first=(i + k) % 2 == 1)
                     cold = pair.cold or cold
                     pairs.append(pair)
+                    k += 1
             finally:
                 ex.release(computed)
         stats = ex.worker.stats.snapshot()
@@ -574,6 +589,8 @@ def _run_model(geo: Geometry, device: torch.device, lengths: list[int], bases: d
     last: dict[str, float] = {}
     try:
         for length in lengths:
+            if length <= REPEAT_MAX_TOKENS:  # a new shape's first forward (kernel plans, heuristics) is no sample
+                decoder.warm_up(length, args.tokens_per_block)
             for source, base in bases.items():
                 cell = _cell(geo, decoder, length, source, base, args)
                 why = _skip_reason(cell, deadline, last.get(source))

@@ -166,7 +166,7 @@ class Decoder:
         pool = torch.zeros((blocks, g.layers, 2, g.kv_heads * tokens_per_block * g.head_dim),
                            dtype=torch.bfloat16, device=self.device)
         kv, pages = self.pool_view(pool, tokens_per_block), list(range(blocks))
-        prompt = list(range(tokens))
+        prompt = [i % g.vocab for i in range(tokens)]
         for start in (0, max(1, tokens - tokens_per_block)):
             span = self.span(pages, start, tokens, tokens_per_block)
             x = self.embed_tokens(prompt[start:])

@@ -3,6 +3,7 @@ the times, ratios and break-even bandwidths, and a loaded prefix is the computed
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -141,3 +142,36 @@ def test_a_choice_is_judged_by_its_paths_median_apart_from_the_spread_of_its_run
 
 def test_lengths_take_k_for_1024():
     assert ttft.parse_lengths("1k,2k,512,128k") == [1024, 2048, 512, 131072]
+
+
+def test_a_prompt_computed_once_serves_pairs_while_they_are_cheap_beside_its_compute():
+    args = argparse.Namespace(repeat=5, tokens_per_block=32)
+    geo = ttft.GEOMETRIES["tiny"]
+    long = ttft.Cell(geo, None, ttft.REPEAT_MAX_TOKENS + 1, "shm", "", args)
+    short = ttft.Cell(geo, None, ttft.REPEAT_MAX_TOKENS, "shm", "", args)
+    assert [short.more_pairs(k, 0.0, 1.0) for k in range(2)] == [True, False]  # one per prompt: 5 prompts
+
+    def served(pair_s: float, compute_s: float) -> int:
+        done = 0
+        while long.more_pairs(done, done * pair_s, compute_s):
+            done += 1
+        return done
+    assert served(13.0, 9.0) == 2  # a cold disk's load and a recompute per pair: each order once, no more
+    assert served(0.2, 0.67) == 6  # host-memory loads beside a long compute: up to MAX_PAIRS
+    assert served(0.4, 1.0) == 4  # four take 1.6 s, six would take 2.4 s: past twice the compute
+    assert all(served(t, 1.0) % 2 == 0 for t in (0.1, 0.3, 0.45, 0.6, 2.0))  # each order equally often
+
+
+def test_each_repeated_length_is_warmed_up_before_its_cells(tmp_path, monkeypatch):
+    """A shape's first forward is slower (kernel plans): each length of up to REPEAT_MAX_TOKENS runs its
+    forwards outside any connector before its cells, so the policy's first samples are not cold."""
+    warmed: list[int] = []
+    original = ttft.Decoder.warm_up
+    monkeypatch.setattr(ttft.Decoder, "warm_up", lambda self, tokens, tpb: (warmed.append(tokens),
+                                                                           original(self, tokens, tpb)))
+    monkeypatch.setattr(ttft, "REPEAT_MAX_TOKENS", 100)
+    out = tmp_path / "ttft.json"
+    rc = ttft.main(["--quick", "--device", "cpu", "--lengths", "64,96,128", "--sources", "shm", "--json", str(out),
+                    "--no-progress"])
+    assert rc == 0 and len(json.loads(out.read_text())["rows"]) == 3
+    assert warmed == [128, 64, 96]  # the model's warm-up (its longest length), then 64 and 96, not 128
