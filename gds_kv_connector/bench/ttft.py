@@ -13,12 +13,13 @@ random prompt three times, one request at a time:
 * policy: the same prompt again, under the policy (``--policy``), which loads or computes.
 
 The load and policy runs take turns going first (run to run; a cell run once serves its prompt's
-pairs two at a time, once each way round: ``Cell.more_pairs``), so what drifts between two runs on a host (a disk's read rate,
-caches warmed by the run before) does not fall on one of them: the policy is compared with the
-path it chose, not with the order it ran in.  The computed pages are held out of the free pages
-until the pairs are done, so every load is compared with them whatever ran in between.  Each run's
-row in the JSON also says where its time went (``phases_ms``: milliseconds from arrival to
-admission, to a parked load's report, to the first forward and to the first token).
+pairs two at a time, once each way round: ``Cell.more_pairs``), so what drifts between two runs on
+a host (a disk's read rate, caches warmed by the run before) does not fall on one of them: the
+policy is compared with the path it chose, not with the order it ran in.  The computed pages are
+held out of the free pages until the pairs are done, so every load is compared with them whatever
+ran in between.  Each run's row in the JSON also says where its time went (``phases_ms``:
+milliseconds from arrival to admission, to a parked load's report, to the first forward and to the
+first token).
 
 Time to first token runs from the request's arrival to its first token on the host: admission and
 the match, the load (asynchronous: the request is parked, and resumes once the load is polled

@@ -585,13 +585,15 @@ class GdsKvConnectorScheduler(KvCacheConnectorScheduler):
         scheduled (a prompt chunk), a decode step otherwise.  A new request with a loaded prefix is
         on its first forward after the load (``ForwardClock.after_load_s``)."""
         reqs = self._reqs
-        new = scheduler_output.new_requests
-        spans = [(rd.computed_position + (st.sync_loaded_tokens if (st := reqs.get(rd.request_id)) else 0),
-                  rd.num_scheduled_tokens, True) for rd in new]
+        spans: list[tuple[int, int, bool]] = []
+        loaded: list[int] = []
+        for rd in scheduler_output.new_requests:
+            st = reqs.get(rd.request_id)
+            spans.append((rd.computed_position + (st.sync_loaded_tokens if st else 0), rd.num_scheduled_tokens, True))
+            if st is not None and st.load_range[1] > st.load_range[0]:  # its first report follows its load
+                loaded.append(rd.request_id)
         spans += [(rd.computed_position, rd.num_scheduled_tokens, rd.num_scheduled_tokens > 1)
                   for rd in scheduler_output.cached_requests]
-        # a request's first report follows its load, if it had one: that forward is the load's to pay
-        loaded = [rd.request_id for rd in new if (st := reqs.get(rd.request_id)) and st.load_range[1] > st.load_range[0]]
         self._forwards.note_work(spans, loaded)
 
     def _plan(self, loads: list[LoadOp], saves: list[SaveOp], replaces: int) -> GdsKvMetadata | None:

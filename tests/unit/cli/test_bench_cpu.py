@@ -310,9 +310,9 @@ def test_ab_runs_legs_alternated_and_writes_the_table(tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     out = tmp_path / "ab"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "profiling", "ab.py"), "--base", REPO, "--pairs", "2", "--budget-s", "1", "--out", str(out),
-         "--", "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB", "--no-baselines",
-         "--no-executor", "--no-overlap", "--shm-dir", str(tmp_path / "shm")],
+        [sys.executable, os.path.join(REPO, "profiling", "ab.py"), "--base", REPO, "--pairs", "2", "--budget-s", "1",
+         "--out", str(out), "--", "--quick", "--device", "cpu", "--targets", "shm", "--sizes", "256KiB",
+         "--no-baselines", "--no-executor", "--no-overlap", "--shm-dir", str(tmp_path / "shm")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "ab.json") as fh:
